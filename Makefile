@@ -1,0 +1,46 @@
+# refdcp developer commands.  `make setup` then `make test` is all a new machine needs.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTEST  := $(BIN)/python -m pytest
+TORCH   := torch==2.13.0
+WORKERS ?= 2
+
+.PHONY: setup test test-thorough test-gpu typecheck lint spec-report bench conformance conformance-s3 clean
+
+setup:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch is pinned and installed first so nothing below can pull a CUDA build.
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	echo "$(TORCH)" > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
+
+test:
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -n $(WORKERS) -m "not slow and not gpu" -q
+
+test-thorough:
+	HYPOTHESIS_PROFILE=thorough $(PYTEST) -n $(WORKERS) -m "not gpu" -q
+
+test-gpu:
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -m gpu -v -rs
+
+typecheck:
+	$(BIN)/mypy --strict refdcp conformance
+
+lint:
+	$(BIN)/ruff check refdcp conformance tests benchmarks
+	$(BIN)/ruff format --check refdcp conformance
+
+spec-report:
+	$(BIN)/python -m refdcp.spec_report
+
+bench:
+	$(BIN)/python -m benchmarks.run
+
+conformance:
+	$(BIN)/refdcp conformance refdcp.storage.conformance_backends:filesystem --json conformance/reports/refdcp_filesystem.json
+	$(BIN)/refdcp conformance refdcp.storage.conformance_backends:memory --json conformance/reports/refdcp_memory.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

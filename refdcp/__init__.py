@@ -1,0 +1,1 @@
+"""refdcp: a formally specified reference implementation of PyTorch Distributed Checkpoint."""

@@ -1,0 +1,128 @@
+"""Exceptions raised by refdcp (spec/errors.md).
+
+Every failure of a collective save or load surfaces as :class:`CheckpointError`
+on every rank (ERR-1). It subclasses both ``Exception`` (so ``except Exception``
+catches it, unlike torch's ``CheckpointException``) and torch's
+``CheckpointException`` (so code written for torch keeps working) (ERR-2).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = [
+    "CheckpointError",
+    "CommError",
+    "CommAborted",
+    "CommTimeout",
+    "Failure",
+    "ProtocolError",
+    "RefdcpError",
+]
+
+
+class RefdcpError(Exception):
+    """Base class of refdcp's own errors that are not collective failures."""
+
+
+class ProtocolError(RefdcpError):
+    """An order violation of the save/load/staging protocol (PROTO-3).
+
+    ``requirement`` is the spec ID that the violation breaks.
+    """
+
+    def __init__(self, requirement: str, message: str) -> None:
+        super().__init__(f"[{requirement}] {message}")
+        self.requirement = requirement
+
+
+class CommError(RefdcpError):
+    """A collective could not complete (COMM-5)."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A collective did not complete within its timeout: a peer is missing or late (COMM-5)."""
+
+
+class CommAborted(CommError):
+    """A peer left the world (raised, crashed) while this rank waited in a collective (COMM-6)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure, as it travels through collectives (ERR-3).
+
+    It carries the original exception when that pickles, and always its
+    formatted traceback text, so a failure is never lost to an unpicklable
+    exception.
+    """
+
+    rank: int
+    step: str
+    exception: BaseException
+    traceback_text: str
+
+    @classmethod
+    def capture(cls, rank: int, step: str, exc: BaseException) -> Failure:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank=rank, step=step, exception=_picklable(exc), traceback_text=text)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+class CheckpointError(CheckpointException, Exception):
+    """A save or load failed on at least one rank; raised identically on every rank (ERR-1).
+
+    ``failures`` maps rank -> (exception, StackSummary) exactly like torch's
+    ``CheckpointException.failures``; ``tracebacks`` maps rank -> formatted
+    traceback text; ``steps`` maps rank -> the protocol step that failed;
+    ``committed`` tells whether the checkpoint reached its commit point before
+    the failure (SAVE-9).
+    """
+
+    def __init__(self, step: str, failures: Mapping[int, Failure], *, committed: bool = False) -> None:
+        wrapped = {
+            rank: (f.exception, traceback.StackSummary.from_list([])) for rank, f in failures.items()
+        }
+        super().__init__(step, wrapped)
+        self.step = step
+        self.rank_failures: dict[int, Failure] = dict(sorted(failures.items()))
+        self.tracebacks = {rank: f.traceback_text for rank, f in self.rank_failures.items()}
+        self.steps = {rank: f.step for rank, f in self.rank_failures.items()}
+        self.committed = committed
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_checkpoint_error, (self.step, self.rank_failures, self.committed))
+
+    def __str__(self) -> str:
+        state = (
+            "the checkpoint WAS committed before this failure"
+            if self.committed
+            else "nothing was committed"
+        )
+        head = f"checkpoint {self.step} failed on rank(s) {sorted(self.rank_failures)} ({state})"
+        parts = [head]
+        for rank, f in self.rank_failures.items():
+            parts.append(
+                f"--- rank {rank}, step {f.step!r}: {type(f.exception).__name__}: {f.exception}\n"
+                f"{f.traceback_text.rstrip()}"
+            )
+        return "\n".join(parts)
+
+
+def _rebuild_checkpoint_error(
+    step: str, failures: Mapping[int, Failure], committed: bool
+) -> CheckpointError:
+    return CheckpointError(step, failures, committed=committed)
