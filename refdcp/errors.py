@@ -38,6 +38,10 @@ class ProtocolError(RefdcpError):
     def __init__(self, requirement: str, message: str) -> None:
         super().__init__(f"[{requirement}] {message}")
         self.requirement = requirement
+        self.message = message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.requirement, self.message))
 
 
 class CommError(RefdcpError):
@@ -92,9 +96,12 @@ class CheckpointError(CheckpointException, Exception):
     the failure (SAVE-9).
     """
 
-    def __init__(self, step: str, failures: Mapping[int, Failure], *, committed: bool = False) -> None:
+    def __init__(
+        self, step: str, failures: Mapping[int, Failure], *, committed: bool = False
+    ) -> None:
         wrapped = {
-            rank: (f.exception, traceback.StackSummary.from_list([])) for rank, f in failures.items()
+            rank: (f.exception, traceback.StackSummary.from_list([]))
+            for rank, f in failures.items()
         }
         super().__init__(step, wrapped)
         self.step = step

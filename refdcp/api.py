@@ -1,0 +1,155 @@
+"""``refdcp.save`` / ``refdcp.load``: drop-ins for torch's DCP entry points (spec/api.md).
+
+They wire the pieces: choose a Communicator (API-4), choose storage from
+``checkpoint_id`` when none is given (API-5), and drive the save or load
+protocol machine (spec/protocol.md) with any planner and storage that
+implement torch's ABCs (API-3).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from refdcp.comm.base import Communicator
+from refdcp.driver.run import FaultHook, Observer, drive
+from refdcp.driver.steps import LoadContext, SaveContext
+from refdcp.protocol.load import LOAD
+from refdcp.protocol.save import SAVE
+
+__all__ = ["load", "resolve_comm", "save"]
+
+
+def resolve_comm(
+    comm: Communicator | None, process_group: Any = None, no_dist: bool = False
+) -> Communicator:
+    """The Communicator a call uses (API-4).
+
+    An explicit ``comm`` wins; ``no_dist=True`` or an uninitialised
+    torch.distributed gives a single rank (with a warning in the latter case,
+    as torch does); otherwise the given (or default) process group.
+    """
+    from refdcp.comm import SingleRank, TorchDistComm
+
+    if comm is not None:
+        return comm
+    if no_dist:
+        return SingleRank()
+    if not (dist.is_available() and dist.is_initialized()):
+        warnings.warn(
+            "torch.distributed is not initialized: running as a single rank (no_dist=True)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return SingleRank()
+    return TorchDistComm(process_group)
+
+
+def _default_save_planner() -> SavePlanner:
+    from refdcp.planning import DefaultSavePlanner
+
+    return DefaultSavePlanner()
+
+
+def _default_load_planner() -> LoadPlanner:
+    from refdcp.planning import DefaultLoadPlanner
+
+    return DefaultLoadPlanner()
+
+
+def _writer_factory(checkpoint_id: Any) -> Callable[[], StorageWriter]:
+    def make() -> StorageWriter:
+        from refdcp.storage_select import select_writer
+
+        return select_writer(checkpoint_id)
+
+    return make
+
+
+def _reader_factory(checkpoint_id: Any) -> Callable[[], StorageReader]:
+    def make() -> StorageReader:
+        from refdcp.storage_select import select_reader
+
+        return select_reader(checkpoint_id)
+
+    return make
+
+
+def _require_id(storage: object, checkpoint_id: Any, what: str) -> None:
+    if storage is None and checkpoint_id is None:
+        raise ValueError(f"`checkpoint_id` must be given when no {what} is given (API-5)")
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Any = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+    comm: Communicator | None = None,
+    fault: FaultHook | None = None,
+    observer: Observer | None = None,
+) -> Metadata:
+    """Save ``state_dict`` collectively; return the committed Metadata on every rank (API-1).
+
+    ``fault`` and ``observer`` are hooks for tests and ``refdcp trace``
+    (PROTO-7): ``fault(i, action)`` runs before this rank's i-th action and may
+    raise; ``observer`` receives a record of every step.
+    """
+    _require_id(storage_writer, checkpoint_id, "storage_writer")
+    c = resolve_comm(comm, process_group, no_dist)
+    ctx = SaveContext(
+        rank=c.rank,
+        world_size=c.world_size,
+        coordinator=c.rank == c.coordinator_rank,
+        state_dict=state_dict,
+        writer=storage_writer,
+        writer_factory=_writer_factory(checkpoint_id),
+        planner=planner or _default_save_planner(),
+        checkpoint_id=checkpoint_id,
+    )
+    result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+    return result
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Any = None,
+    storage_reader: StorageReader | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+    comm: Communicator | None = None,
+    verify: bool = False,
+    fault: FaultHook | None = None,
+    observer: Observer | None = None,
+) -> None:
+    """Load into ``state_dict`` in place, resharding as needed (API-1).
+
+    Top-level ``Stateful`` values receive ``load_state_dict``; other top-level
+    values are replaced by what was loaded, as torch does (API-2).
+    ``verify=True`` checks every item's checksum (API-6).
+    """
+    _require_id(storage_reader, checkpoint_id, "storage_reader")
+    c = resolve_comm(comm, process_group, no_dist)
+    ctx = LoadContext(
+        rank=c.rank,
+        world_size=c.world_size,
+        coordinator=c.rank == c.coordinator_rank,
+        state_dict=state_dict,
+        reader=storage_reader,
+        reader_factory=_reader_factory(checkpoint_id),
+        planner=planner or _default_load_planner(),
+        checkpoint_id=checkpoint_id,
+        verify=verify,
+    )
+    drive(LOAD, ctx, c, fault=fault, observer=observer)

@@ -1,0 +1,180 @@
+"""Run one rank's protocol machine over a Communicator (PROTO-2).
+
+The driver is the only place where the machine's actions meet the world:
+local steps call planners and storage; collectives go through the
+Communicator. Exceptions from local steps become failures that travel through
+the next collective (PROTO-4). A collective that itself fails (timeout, a
+peer left) ends this rank at once with a CheckpointError (COMM-5).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from refdcp.comm.base import Communicator
+from refdcp.errors import CheckpointError, CommError, Failure
+from refdcp.protocol.machine import Action, Event, Kind, On, State, Table
+
+__all__ = [
+    "FaultHook",
+    "Observer",
+    "StepRecord",
+    "apply_collective_result",
+    "drive",
+    "local_event",
+    "step_name",
+]
+
+
+class _Ctx(Protocol):
+    rank: int
+
+    def run(self, step: str) -> None: ...
+    def payload(self, slot: str) -> Any: ...
+    def store(self, slot: str, value: Any) -> None: ...
+    def result(self, slot: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one rank did at one step: for ``refdcp trace`` and tests."""
+
+    rank: int
+    index: int
+    phase: str
+    kind: Kind
+    step: str
+    outcome: On
+    seconds: float
+
+
+#: Called before action ``index`` of a rank; raising injects a fault there (PROTO-7).
+FaultHook = Callable[[int, Action], None]
+Observer = Callable[[StepRecord], None]
+
+
+def step_name(action: Action) -> str:
+    """The name a failure at ``action`` is reported under (ERR-4)."""
+    return action.step if action.kind is Kind.LOCAL else action.phase
+
+
+def local_event(ctx: _Ctx, action: Action) -> Event:
+    try:
+        ctx.run(action.step)
+    except Exception as exc:
+        return Event(On.ERR, failure=Failure.capture(ctx.rank, action.step, exc))
+    return Event(On.OK)
+
+
+def fan_in_payload(ctx: _Ctx, action: Action) -> Any:
+    return action.failure if action.failure is not None else ctx.payload(action.step)
+
+
+def fan_out_payload(ctx: _Ctx, action: Action, world_size: int) -> Any:
+    if action.error is not None:
+        return [action.error] * world_size if action.kind is Kind.SCATTER else action.error
+    return ctx.payload(action.step)
+
+
+def apply_collective_result(
+    ctx: _Ctx, state: State, action: Action, received: Any, receives: bool
+) -> Event:
+    """Turn what a collective delivered into the machine's event (PROTO-4)."""
+    if action.kind in (Kind.GATHER, Kind.ALL_GATHER):
+        if not receives:
+            return Event(On.SENT)
+        failures = {r: v for r, v in enumerate(received) if isinstance(v, Failure)}
+        if failures:
+            first = failures[min(failures)]
+            return Event(
+                On.GOT_ERR, error=CheckpointError(first.step, failures, committed=state.committed)
+            )
+        ctx.store(action.recv, received)
+        return Event(On.GOT_OK)
+    if isinstance(received, CheckpointError):
+        return Event(On.GOT_ERR, error=received)
+    ctx.store(action.recv, received)
+    return Event(On.GOT_OK)
+
+
+def drive(
+    table: Table,
+    ctx: _Ctx,
+    comm: Communicator,
+    *,
+    fault: FaultHook | None = None,
+    observer: Observer | None = None,
+) -> Any:
+    """Run the machine to its end; return its result or raise its CheckpointError."""
+    coordinator = comm.rank == comm.coordinator_rank
+    state, action = table.start(comm.rank, coordinator)
+    index = 0
+    while True:
+        if fault is not None:
+            try:
+                fault(index, action)
+            except Exception as exc:
+                failure = Failure.capture(comm.rank, step_name(action), exc)
+                if action.kind is Kind.RETURN:
+                    raise CheckpointError(
+                        action.phase, {comm.rank: failure}, committed=state.committed
+                    ) from exc
+                if action.kind is Kind.RAISE:
+                    raise action.error from exc  # type: ignore[misc]
+                state, action = _advance(
+                    table, state, Event(On.ERR, failure=failure), observer, action, index, 0.0
+                )
+                index += 1
+                continue
+        if action.kind is Kind.RETURN:
+            return ctx.result(action.step)
+        if action.kind is Kind.RAISE:
+            assert action.error is not None
+            raise action.error
+        t0 = time.perf_counter()
+        if action.kind is Kind.LOCAL:
+            event = local_event(ctx, action)
+        else:
+            event = _collective(ctx, state, action, comm)
+        state, action = _advance(
+            table, state, event, observer, action, index, time.perf_counter() - t0
+        )
+        index += 1
+
+
+def _advance(
+    table: Table,
+    state: State,
+    event: Event,
+    observer: Observer | None,
+    action: Action,
+    index: int,
+    seconds: float,
+) -> tuple[State, Action]:
+    if observer is not None:
+        observer(
+            StepRecord(state.rank, index, action.phase, action.kind, action.step, event.on, seconds)
+        )
+    return table.transition(state, event)
+
+
+def _collective(ctx: _Ctx, state: State, action: Action, comm: Communicator) -> Event:
+    coordinator = comm.rank == comm.coordinator_rank
+    try:
+        if action.kind is Kind.GATHER:
+            received: Any = comm.gather(fan_in_payload(ctx, action))
+            return apply_collective_result(ctx, state, action, received, coordinator)
+        if action.kind is Kind.ALL_GATHER:
+            received = comm.all_gather(fan_in_payload(ctx, action))
+            return apply_collective_result(ctx, state, action, received, True)
+        send = fan_out_payload(ctx, action, comm.world_size) if coordinator else None
+        received = comm.scatter(send) if action.kind is Kind.SCATTER else comm.broadcast(send)
+        return apply_collective_result(ctx, state, action, received, True)
+    except CommError as exc:
+        failure = Failure.capture(comm.rank, action.phase, exc)
+        raise CheckpointError(
+            action.phase, {comm.rank: failure}, committed=state.committed
+        ) from exc
