@@ -20,7 +20,9 @@ from pathlib import Path
 
 __all__ = ["Requirement", "Citation", "load_spec", "find_citations", "report", "main"]
 
-_REQ = re.compile(r"^- \*\*([A-Z][A-Z0-9]*-\d+)\*\*\s+(MUST NOT|MUST|SHOULD NOT|SHOULD|WITHDRAWN)\b(.*)$")
+_REQ = re.compile(
+    r"^- \*\*([A-Z][A-Z0-9]*-\d+)\*\*\s+(MUST NOT|MUST|SHOULD NOT|SHOULD|WITHDRAWN)\b(.*)$"
+)
 _ID = re.compile(r"^[A-Z][A-Z0-9]*-\d+$")
 
 
@@ -54,9 +56,7 @@ class Trace:
     def untested(self) -> list[str]:
         cited = {c.id for c in self.citations}
         return [
-            r
-            for r, req in self.requirements.items()
-            if r not in cited and req.level != "WITHDRAWN"
+            r for r, req in self.requirements.items() if r not in cited and req.level != "WITHDRAWN"
         ]
 
     @property
