@@ -36,7 +36,7 @@ spec-report:
 	$(BIN)/python -m refdcp.spec_report
 
 bench:
-	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.run $(BENCH)
 
 conformance:
 	$(BIN)/refdcp conformance refdcp.storage.conformance_backends:filesystem --json conformance/reports/refdcp_filesystem.json

@@ -1,0 +1,37 @@
+"""``make bench``: every benchmark, refdcp beside torch DCP in one run, reported as ratios.
+
+``python -m benchmarks.run [planning] [storage] [async]`` runs the named ones
+(all by default). Each module's ``main()`` prints its own table. Timings are
+never asserted: they are measurements to read, not tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+
+SUITES = {
+    "planning": "benchmarks.bench_planning",
+    "storage": "benchmarks.bench_storage",
+    "async": "benchmarks.bench_async",
+}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(SUITES)
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; choose from {list(SUITES)}", file=sys.stderr)
+        return 2
+    for name in names:
+        print(f"\n=== {name} ===", flush=True)
+        t0 = time.perf_counter()
+        module = importlib.import_module(SUITES[name])
+        module.main()
+        print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
