@@ -1,0 +1,397 @@
+"""``refdcp trace``: watch a save and a load across fake ranks, step by step (TRACE-1..6).
+
+A small model is saved at one world size and loaded at another by the
+deterministic simulator (`refdcp.driver.simulate`: every rank's machine in one
+thread, in rank order), with refdcp's planners and in-memory storage, so the
+output is identical on every run. The trace shows, per rank and step: the
+protocol steps, local plans, the global plan with each dedup decision and its
+reason, what each rank wrote where, the committed metadata, and on load the
+read boxes that reshard saved chunks onto the new layout.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
+
+from refdcp.driver import LoadContext, SaveContext, StepRecord, simulate
+from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
+from refdcp.planning.global_metadata import build_state_dict_metadata
+from refdcp.protocol import LOAD, SAVE, Kind
+from refdcp.storage.memory import MemoryStorage
+
+__all__ = ["TraceResult", "run_trace", "render_text", "render_mermaid", "trace_command"]
+
+SHARDINGS = ("rows", "cols", "replicated")
+_EMBED = (8, 4)
+
+
+def _split(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Torch.chunk-style split of ``n`` into ``parts``: (start, length) of part ``i``."""
+    step = -(-n // parts)
+    start = min(i * step, n)
+    return start, min(step, n - start)
+
+
+def model_state(rank: int, world: int, sharding: str) -> dict[str, Any]:
+    """The traced model on one rank: a sharded embedding, a replicated head, a step counter."""
+    full = torch.arange(_EMBED[0] * _EMBED[1], dtype=torch.float32).reshape(_EMBED)
+    if sharding == "replicated":
+        embed: Any = full.clone()
+    else:
+        dim = 0 if sharding == "rows" else 1
+        start, length = _split(_EMBED[dim], world, rank)
+        piece = full.narrow(dim, start, length).clone()
+        offsets = (start, 0) if dim == 0 else (0, start)
+        embed = LocalShards(_EMBED, [(offsets, piece)] if length else [], dtype=torch.float32)
+    return {
+        "model": {
+            "embed.weight": embed,
+            "head.weight": torch.eye(4) * 2.0,
+            "head.bias": torch.ones(4),
+        },
+        "step": 100,
+    }
+
+
+def empty_model_state(rank: int, world: int, sharding: str) -> dict[str, Any]:
+    src = model_state(rank, world, sharding)
+    embed = src["model"]["embed.weight"]
+    if isinstance(embed, LocalShards):
+        embed = LocalShards(
+            _EMBED, [(off, torch.zeros_like(t)) for off, t in embed.chunks], dtype=torch.float32
+        )
+    else:
+        embed = torch.zeros(_EMBED)
+    return {
+        "model": {
+            "embed.weight": embed,
+            "head.weight": torch.zeros(4, 4),
+            "head.bias": torch.zeros(4),
+        },
+        "step": 0,
+    }
+
+
+class _NoDedupPlanner(DefaultSavePlanner):
+    """Shows why dedup exists: every holder writes every replica, and validation refuses it."""
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        from refdcp.planning.global_metadata import PlanValidationError
+
+        _, problems = build_state_dict_metadata([list(p.items) for p in all_plans])
+        raise PlanValidationError(problems or ["no overlap found"])
+
+
+@dataclass
+class Decision:
+    fqn: str
+    offsets: tuple[int, ...]
+    nbytes: int
+    holders: list[int]
+    writer: int
+    reason: str
+
+
+@dataclass
+class TraceResult:
+    save_world: int
+    load_world: int
+    sharding: str
+    dedup: bool
+    save_steps: list[StepRecord] = field(default_factory=list)
+    load_steps: list[StepRecord] = field(default_factory=list)
+    local_plans: list[SavePlan] = field(default_factory=list)
+    final_plans: list[SavePlan] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    writes: list[list[Any]] = field(default_factory=list)
+    metadata: Metadata | None = None
+    read_plans: list[LoadPlan] = field(default_factory=list)
+    save_error: str | None = None
+    verified: bool = False
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    n = 1
+    for s in item.tensor_data.chunk.sizes:
+        n *= int(s)
+    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+
+def explain_dedup(local: Sequence[SavePlan], final: Sequence[SavePlan]) -> list[Decision]:
+    """Each replicated (fqn, chunk): who held it, who writes it, and why (TRACE-3).
+
+    The reason replays the documented rule (DEDUP-2, DEDUP-7): non-tensor
+    items stay on the coordinator; tensors go largest first to the holder
+    with the fewest bytes so far, after every rank's unreplicated bytes.
+    """
+    holders: dict[tuple[str, Any], list[int]] = {}
+    items: dict[tuple[str, Any], WriteItem] = {}
+    for r, plan in enumerate(local):
+        for it in plan.items:
+            key = (it.index.fqn, it.index.offset)
+            holders.setdefault(key, []).append(r)
+            items.setdefault(key, it)
+    writer = {(it.index.fqn, it.index.offset): r for r, p in enumerate(final) for it in p.items}
+    loads = [0] * len(local)
+    for key, hs in holders.items():
+        if len(hs) == 1:
+            loads[hs[0]] += _item_bytes(items[key])
+    replicated = [k for k, hs in holders.items() if len(hs) > 1]
+    replicated.sort(key=lambda k: -_item_bytes(items[k]))
+    out = []
+    for key in replicated:
+        it, hs, w = items[key], holders[key], writer.get(key, -1)
+        nbytes = _item_bytes(it)
+        if it.type == WriteItemType.BYTE_IO:
+            reason = "non-tensor item: kept on the coordinator so loads read one file"
+        else:
+            before = {h: loads[h] for h in hs}
+            reason = (
+                f"fewest bytes so far among holders ({before[w]} B; "
+                + ", ".join(f"r{h}={b}" for h, b in before.items())
+                + ")"
+            )
+            loads[w] += nbytes
+        offsets = tuple(int(o) for o in (it.index.offset or ()))
+        out.append(Decision(key[0], offsets, nbytes, hs, w, reason))
+    return out
+
+
+def run_trace(
+    save_world: int = 4, load_world: int = 2, sharding: str = "rows", dedup: bool = True
+) -> TraceResult:
+    """Save at ``save_world`` ranks, load at ``load_world``, and record everything (TRACE-1)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {SHARDINGS}")
+    store = MemoryStorage()
+    res = TraceResult(save_world, load_world, sharding, dedup)
+    planner_cls = DefaultSavePlanner if dedup else _NoDedupPlanner
+    saves = [
+        SaveContext(
+            rank=r,
+            world_size=save_world,
+            coordinator=r == 0,
+            state_dict=model_state(r, save_world, sharding),
+            writer=store.writer("trace"),
+            planner=planner_cls(),
+        )
+        for r in range(save_world)
+    ]
+    sim = simulate(SAVE, saves, observer=res.save_steps.append)
+    res.local_plans = [c.slots["local_plan"] for c in saves]
+    errors = sim.errors()
+    if errors:
+        res.save_error = str(errors[0]).splitlines()[0] + "\n" + _problem_lines(errors[0])
+        return res
+    res.final_plans = [c.slots["final_plan"] for c in saves]
+    res.decisions = explain_dedup(res.local_plans, res.final_plans)
+    res.writes = [list(c.slots["write_results"]) for c in saves]
+    res.metadata = sim.results[0]
+    loads = [
+        LoadContext(
+            rank=r,
+            world_size=load_world,
+            coordinator=r == 0,
+            state_dict=empty_model_state(r, load_world, sharding),
+            reader=store.reader("trace"),
+            planner=DefaultLoadPlanner(),
+        )
+        for r in range(load_world)
+    ]
+    lsim = simulate(LOAD, loads, observer=res.load_steps.append)
+    if lsim.errors():
+        raise next(iter(lsim.errors().values()))
+    res.read_plans = [c.slots["final_plan"] for c in loads]
+    res.verified = all(
+        _same(c.state_dict, model_state(c.rank, load_world, sharding)) for c in loads
+    )
+    return res
+
+
+def _problem_lines(err: BaseException) -> str:
+    text = str(err)
+    return "\n".join(line for line in text.splitlines() if line.lstrip().startswith("- '"))
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, dict):
+        return all(_same(got[k], v) for k, v in want.items())
+    if isinstance(want, LocalShards):
+        return all(torch.equal(g, w) for (_, g), (_, w) in zip(got.chunks, want.chunks))
+    if isinstance(want, torch.Tensor):
+        return bool(torch.equal(got, want))
+    return bool(got == want)
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def _box(offsets: Any, sizes: Any) -> str:
+    return f"[{', '.join(f'{int(o)}:{int(o) + int(s)}' for o, s in zip(offsets, sizes))}]"
+
+
+def _write_item(it: WriteItem) -> str:
+    if it.type == WriteItemType.BYTE_IO or it.tensor_data is None:
+        return f"{it.index.fqn}  (object, torch.save bytes)"
+    td = it.tensor_data
+    dtype = str(td.properties.dtype).replace("torch.", "")
+    return (
+        f"{it.index.fqn}  {dtype} box {_box(td.chunk.offsets, td.chunk.sizes)} "
+        f"of {list(td.size)}  {_item_bytes(it)} B"
+    )
+
+
+def _steps(records: list[StepRecord], world: int) -> list[str]:
+    out = []
+    for r in range(world):
+        seq = [f"{rec.phase}:{rec.outcome.value}" for rec in records if rec.rank == r]
+        out.append(f"  rank {r}: " + " -> ".join(seq))
+    return out
+
+
+def _read_item(md: Metadata, ri: ReadItem) -> str:
+    fqn = ri.dest_index.fqn
+    entry = md.state_dict_metadata.get(fqn)
+    if not isinstance(entry, TensorStorageMetadata):
+        return f"{fqn}  (object) replaces the destination value"
+    src_off = ri.storage_index.offset or ()
+    glob_src = [int(a) + int(b) for a, b in zip(src_off, ri.storage_offsets)]
+    dst_off = ri.dest_index.offset or ()
+    glob_dst = [int(a) + int(b) for a, b in zip(dst_off, ri.dest_offsets)]
+    return (
+        f"{fqn}  global {_box(glob_src, ri.lengths)}: saved chunk at {list(map(int, src_off))} "
+        f"-> local chunk at {list(map(int, dst_off))}" + ("" if glob_src == glob_dst else "  (!)")
+    )
+
+
+def render_text(res: TraceResult) -> str:
+    lines = [
+        f"refdcp trace: save at world {res.save_world}, load at world {res.load_world} "
+        f"(sharding={res.sharding}, dedup={'on' if res.dedup else 'off'})",
+        "",
+        "== SAVE ==",
+        "protocol steps (phase:outcome):",
+        *_steps(res.save_steps, res.save_world),
+        "",
+        "local plans (every rank plans every chunk it holds):",
+    ]
+    for r, plan in enumerate(res.local_plans):
+        lines.append(f"  rank {r}: {len(plan.items)} item(s)")
+        lines.extend(f"    {_write_item(it)}" for it in plan.items)
+    if res.save_error is not None:
+        lines += [
+            "",
+            "global plan: REFUSED by the coordinator",
+            *(f"  {x}" for x in res.save_error.splitlines()),
+        ]
+        lines += [
+            "",
+            "Without dedup several ranks would write the same chunk: validation rejects the overlap.",
+        ]
+        return "\n".join(lines) + "\n"
+    lines += ["", "global plan (coordinator, rank 0): dedup of replicated chunks, largest first"]
+    for d in res.decisions:
+        lines.append(
+            f"  {d.fqn} {list(d.offsets)} ({d.nbytes} B) held by {d.holders} -> rank {d.writer}: {d.reason}"
+        )
+    lines += ["", "writes (what each rank wrote where):"]
+    for r, results in enumerate(res.writes):
+        for wr in results:
+            info = wr.storage_data
+            where = (
+                f"{info.relative_path} @ {info.offset} +{info.length} B"
+                if isinstance(info, _StorageInfo)
+                else repr(info)
+            )
+            off = list(map(int, wr.index.offset)) if wr.index.offset is not None else "object"
+            lines.append(f"  rank {r}: {wr.index.fqn} {off} -> {where}")
+    assert res.metadata is not None
+    lines += ["", "committed metadata (the commit point: the coordinator's finish returned):"]
+    for fqn, entry in res.metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            lines.append(f"  {fqn}: object")
+        else:
+            assert isinstance(entry, TensorStorageMetadata)
+            chunks = ", ".join(_box(c.offsets, c.sizes) for c in entry.chunks)
+            dtype = str(entry.properties.dtype).replace("torch.", "")
+            lines.append(f"  {fqn}: {dtype} {list(entry.size)} chunks {chunks}")
+    lines += [
+        "",
+        "== LOAD ==",
+        "protocol steps (phase:outcome):",
+        *_steps(res.load_steps, res.load_world),
+    ]
+    lines += ["", "read boxes (saved chunks resharded onto each rank's layout):"]
+    for r, load_plan in enumerate(res.read_plans):
+        lines.append(f"  rank {r}: {len(load_plan.items)} read(s)")
+        lines.extend(f"    {_read_item(res.metadata, ri)}" for ri in load_plan.items)
+    lines += ["", f"loaded values equal the saved ones: {'yes' if res.verified else 'NO'}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_mermaid(res: TraceResult) -> str:
+    """A mermaid sequence diagram of the save and the load (TRACE-5)."""
+    world = max(res.save_world, res.load_world)
+    lines = ["```mermaid", "sequenceDiagram"]
+    lines += [f"    participant R{r} as rank {r}" for r in range(world)]
+    lines.append("    participant S as storage")
+    for title, records, w in (
+        ("save", res.save_steps, res.save_world),
+        ("load", res.load_steps, res.load_world),
+    ):
+        if not records:
+            continue
+        lines.append(f"    Note over R0,S: {title} at world {w}")
+        done: set[tuple[str, int]] = set()
+        for rec in records:
+            key = (rec.phase, rec.rank)
+            if key in done:
+                continue
+            done.add(key)
+            me = f"R{rec.rank}"
+            if rec.kind is Kind.LOCAL:
+                target = "S" if rec.step in ("write", "read", "commit") else me
+                lines.append(f"    {me}->>{target}: {rec.step} ({rec.outcome.value})")
+            elif rec.kind in (Kind.GATHER, Kind.ALL_GATHER) and rec.rank != 0:
+                lines.append(f"    {me}->>R0: {rec.phase}")
+            elif rec.kind in (Kind.SCATTER, Kind.BROADCAST) and rec.rank != 0:
+                lines.append(f"    R0->>{me}: {rec.phase}")
+        if title == "save" and res.save_error is not None:
+            lines.append("    Note over R0: global plan refused: overlapping replicas")
+    lines.append("```")
+    return "\n".join(lines) + "\n"
+
+
+def trace_command(
+    *,
+    save_world: int = 4,
+    load_world: int = 2,
+    fmt: str = "text",
+    dedup: bool = True,
+    sharding: str = "rows",
+    out: TextIO | None = None,
+) -> int:
+    stream = out or sys.stdout
+    res = run_trace(save_world, load_world, sharding, dedup)
+    stream.write(render_mermaid(res) if fmt == "mermaid" else render_text(res))
+    return 0 if (res.save_error is None and res.verified) or not dedup else 1
