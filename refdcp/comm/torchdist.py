@@ -1,0 +1,216 @@
+"""Object collectives over a torch.distributed process group (spec/comm.md, COMM-50..COMM-53).
+
+Objects are pickled into ``uint8`` tensors. Every collective first all-gathers a
+three-integer header ``(operation, sequence number, payload size)`` and then
+moves the payloads with one tensor collective. The header makes every rank
+check that all ranks called the same collective at the same position
+(COMM-7), and gives the size to pad payloads to (``pickle.loads`` ignores
+trailing bytes). Tensor collectives are issued with ``async_op=True`` and
+polled until a deadline, so a missing or late peer gives
+:class:`~refdcp.errors.CommTimeout` after the timeout instead of a hang, on
+Gloo and NCCL alike (COMM-5).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from refdcp.comm.base import DEFAULT_TIMEOUT_S
+from refdcp.comm.fake import CollectiveMismatch
+from refdcp.errors import CommAborted, CommError, CommTimeout
+
+__all__ = ["TorchDistComm"]
+
+_OPS = ("gather", "scatter", "broadcast", "all_gather", "barrier")
+_MAX_POLL_S = 0.005
+
+
+class TorchDistComm:
+    """A :class:`Communicator` over ``process_group`` (default: the WORLD group) (COMM-50).
+
+    ``rank`` and ``world_size`` are the group's; the coordinator is group rank
+    0, translated to its global rank for torch's ``src``/``dst`` (COMM-50).
+    NCCL groups move bytes through the current CUDA device (COMM-51).
+    """
+
+    def __init__(self, process_group: Any = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(  # COMM-53
+                "TorchDistComm needs an initialised torch.distributed process group"
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self._group = process_group
+        self._rank = dist.get_rank(process_group)
+        if self._rank < 0:
+            raise ValueError("this process is not a member of the given process group")
+        self._world_size = dist.get_world_size(process_group)
+        self._coordinator_global = (
+            0 if process_group is None else dist.get_global_rank(process_group, 0)
+        )
+        backend = str(dist.get_backend(process_group)).lower()
+        if "gloo" not in backend and "nccl" in backend:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
+        self._timeout = float(timeout)
+        self._seq = 0
+        self._broken: str | None = None
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def coordinator_rank(self) -> int:
+        return 0
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
+    def device(self) -> torch.device:
+        """Where the byte tensors live: CPU for Gloo, the current CUDA device for NCCL."""
+        return self._device
+
+    # -- collectives -------------------------------------------------------
+
+    def gather(self, obj: Any, *, timeout: float | None = None) -> list[Any] | None:
+        data = _dumps(obj)
+        deadline, size = self._header("gather", len(data), timeout, max)
+        buf = self._to_tensor(data, size)
+        is_coord = self._rank == 0
+        out = [self._empty(size) for _ in range(self._world_size)] if is_coord else None
+        work = dist.gather(buf, out, dst=self._coordinator_global, group=self._group, async_op=True)
+        self._wait(work, deadline, "gather")
+        if out is None:
+            return None
+        return [_loads(t) for t in out]
+
+    def scatter(self, objs: list[Any] | None, *, timeout: float | None = None) -> Any:
+        pieces: list[bytes] = []
+        if self._rank == 0:
+            if objs is None or len(objs) != self._world_size:
+                raise ValueError(
+                    f"scatter on the coordinator needs a list of {self._world_size} objects, "
+                    f"got {objs!r}"
+                )
+            pieces = [_dumps(o) for o in objs]
+        deadline, size = self._header(
+            "scatter", max((len(p) for p in pieces), default=0), timeout, _coordinator_value
+        )
+        out = self._empty(size)
+        scatter_list = [self._to_tensor(p, size) for p in pieces] if self._rank == 0 else None
+        work = dist.scatter(
+            out, scatter_list, src=self._coordinator_global, group=self._group, async_op=True
+        )
+        self._wait(work, deadline, "scatter")
+        return _loads(out)
+
+    def broadcast(self, obj: Any, *, timeout: float | None = None) -> Any:
+        data = _dumps(obj) if self._rank == 0 else b""
+        deadline, size = self._header("broadcast", len(data), timeout, _coordinator_value)
+        buf = self._to_tensor(data, size) if self._rank == 0 else self._empty(size)
+        work = dist.broadcast(buf, src=self._coordinator_global, group=self._group, async_op=True)
+        self._wait(work, deadline, "broadcast")
+        return _loads(buf)
+
+    def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        data = _dumps(obj)
+        deadline, size = self._header("all_gather", len(data), timeout, max)
+        out = [self._empty(size) for _ in range(self._world_size)]
+        work = dist.all_gather(out, self._to_tensor(data, size), group=self._group, async_op=True)
+        self._wait(work, deadline, "all_gather")
+        return [_loads(t) for t in out]
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        self._header("barrier", 0, timeout, max)
+
+    # -- machinery ---------------------------------------------------------
+
+    def _header(self, op: str, nbytes: int, timeout: float | None, pick: Any) -> tuple[float, int]:
+        """Exchange (op, seq, size); check agreement; return (deadline, payload size)."""
+        if self._broken is not None:  # COMM-52
+            raise CommError(f"communicator unusable after an earlier failure: {self._broken}")
+        limit = self._timeout if timeout is None else float(timeout)
+        if limit <= 0:
+            raise ValueError(f"timeout must be positive, got {limit}")
+        deadline = time.monotonic() + limit
+        seq = self._seq
+        self._seq += 1
+        mine = torch.tensor([_OPS.index(op), seq, nbytes], dtype=torch.int64, device=self._device)
+        headers = [torch.empty_like(mine) for _ in range(self._world_size)]
+        work = dist.all_gather(headers, mine, group=self._group, async_op=True)
+        self._wait(work, deadline, op)
+        rows = [tuple(int(v) for v in h.tolist()) for h in headers]
+        for r, (r_op, r_seq, _) in enumerate(rows):
+            if (r_op, r_seq) != (rows[0][0], rows[0][1]):
+                raise CollectiveMismatch(
+                    f"collective mismatch: rank 0 called {_OPS[rows[0][0]]} "
+                    f"(collective #{rows[0][1]}) but rank {r} called {_OPS[r_op]} "
+                    f"(collective #{r_seq})"
+                )
+        size: int = pick([row[2] for row in rows])
+        return deadline, max(size, 1)
+
+    def _wait(self, work: Any, deadline: float, op: str) -> None:
+        """Poll ``work`` until done or ``deadline``; map failures to CommTimeout/CommAborted."""
+        delay = 0.0001
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                self._broken = f"{op} timed out"
+                raise CommTimeout(
+                    f"{op} on rank {self._rank} of {self._world_size} did not complete within "
+                    f"its timeout: a peer is missing or late"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_POLL_S)
+        try:
+            work.wait()
+        except Exception as exc:
+            self._broken = f"{op} failed: {exc}"
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CommTimeout(f"{op} on rank {self._rank} timed out: {text}") from exc
+            raise CommAborted(f"{op} on rank {self._rank} failed, a peer left: {text}") from exc
+
+    def _empty(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device=self._device)
+
+    def _to_tensor(self, data: bytes, size: int) -> torch.Tensor:
+        buf = bytearray(size)
+        buf[: len(data)] = data
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+        return t if self._device.type == "cpu" else t.to(self._device)
+
+    def __repr__(self) -> str:
+        return (
+            f"TorchDistComm(rank={self._rank}, world_size={self._world_size}, "
+            f"device={self._device}, timeout={self._timeout:g})"
+        )
+
+
+def _coordinator_value(values: list[int]) -> int:
+    return values[0]
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _loads(t: torch.Tensor) -> Any:
+    """Unpickle a (possibly padded) byte tensor without numpy."""
+    host = t.cpu()
+    buf = bytearray(host.numel())
+    torch.frombuffer(buf, dtype=torch.uint8).copy_(host)
+    return pickle.loads(buf)
