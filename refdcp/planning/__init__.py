@@ -1,0 +1,21 @@
+"""refdcp's default save and load planners, built from pure functions (spec/planning.md)."""
+
+from __future__ import annotations
+
+from .flatten import flatten_state_dict, unflatten_state_dict
+from .global_metadata import PlanValidationError
+from .load_planner import DefaultLoadPlanner
+from .load_policy import LoadPolicy, LoadPolicyError
+from .local_shards import LocalShards
+from .save_planner import DefaultSavePlanner
+
+__all__ = [
+    "DefaultLoadPlanner",
+    "DefaultSavePlanner",
+    "LoadPolicy",
+    "LoadPolicyError",
+    "LocalShards",
+    "PlanValidationError",
+    "flatten_state_dict",
+    "unflatten_state_dict",
+]

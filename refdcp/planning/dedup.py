@@ -1,0 +1,206 @@
+"""Dedup of replicated write items (spec/planning.md, DEDUP-*).
+
+Ranks whose local plans have the same digest are handled once, as a class, so
+128 ranks holding the same replicated items cost one pass over those items;
+per-rank filtering then runs in C (``itertools.compress``) (DEDUP-8).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
+from operator import attrgetter
+from typing import Any
+
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from .local_plan import ItemKey, _signature, chunk_nbytes, plan_digest
+
+__all__ = ["DedupResult", "dedup_items"]
+
+_fqn = attrgetter("index.fqn")
+_offset = attrgetter("index.offset")
+
+
+@dataclass
+class DedupResult:
+    """Per-rank kept items, per-rank bytes, and every problem found (DEDUP-4..6)."""
+
+    plans: list[list[WriteItem]]
+    problems: list[str] = field(default_factory=list)
+    #: the lowest rank of each group of ranks with identical local plans
+    class_reps: list[int] = field(default_factory=list)
+
+    def rank_bytes(self) -> list[int]:
+        """Bytes each rank writes (chunk bytes; 1 per object) (DEDUP-3)."""
+        return [sum(map(chunk_nbytes, p)) for p in self.plans]
+
+
+def dedup_items(
+    plans: Sequence[Sequence[WriteItem]],
+    *,
+    digests: Sequence[str | None] | None = None,
+    checksums: Sequence[Mapping[Any, int] | None] | None = None,
+    coordinator_rank: int = 0,
+    bytes_on_coordinator: bool = True,
+    lowest_rank: bool = False,
+) -> DedupResult:
+    """Keep each (fqn, chunk) on exactly one of the ranks that hold it (DEDUP-1..7).
+
+    Replicated items are assigned largest chunk first to the least loaded
+    holder (ties: lowest rank), after each rank's unreplicated bytes are
+    counted (DEDUP-2, DEDUP-3). With ``bytes_on_coordinator`` non-tensor items
+    held by the coordinator stay there (DEDUP-7). Replicas that disagree in
+    type, dtype or shape, or (when ``checksums`` are given) in value, are
+    problems (DEDUP-4, DEDUP-6).
+    """
+    world = len(plans)
+    sums: list[Mapping[Any, int] | None] = (
+        list(checksums) if checksums is not None else [None] * world
+    )
+    digs = list(digests) if digests is not None else [None] * world
+    # 1. classes of ranks with identical plans
+    classes: dict[str, list[int]] = {}
+    for r in range(world):
+        d = digs[r] or plan_digest(plans[r], sums[r])
+        classes.setdefault(d, []).append(r)
+    reps = [members[0] for members in classes.values()]
+    members_of = list(classes.values())
+    keys_of: list[list[ItemKey]] = [
+        list(zip(map(_fqn, plans[rep]), map(_offset, plans[rep]))) for rep in reps
+    ]
+    # 2. keys held by several classes, found in C (Counter over all keys)
+    counts = Counter(chain.from_iterable(keys_of))
+    total = sum(map(len, keys_of))
+    shared = set() if len(counts) == total else {k for k, n in counts.items() if n > 1}
+    owner: dict[ItemKey, int] = {}
+    for c, keys in enumerate(keys_of):
+        if len(members_of[c]) == 1 and shared:
+            owner.update(zip(keys, repeat(members_of[c][0])))
+    # 3. replicated keys: held by a class of several ranks, or by several classes
+    holders: dict[ItemKey, list[int]] = {}
+    rep_item: dict[ItemKey, WriteItem] = {}
+    for c, keys in enumerate(keys_of):
+        items = plans[reps[c]]
+        if len(members_of[c]) > 1:
+            pairs: Iterable[tuple[ItemKey, WriteItem]] = zip(keys, items)
+        elif shared:
+            pairs = compress(zip(keys, items), map(shared.__contains__, keys))
+        else:
+            continue
+        for k, item in pairs:
+            lst = holders.get(k)
+            if lst is None:
+                holders[k] = [c]
+                rep_item[k] = item
+            else:
+                lst.append(c)
+    problems: list[str] = []
+    item_of: dict[int, dict[ItemKey, WriteItem]] = {}
+    replicated: list[tuple[int, ItemKey, list[int], WriteItem]] = []
+    for k, cls in holders.items():
+        item = rep_item[k]
+        if len(cls) == 1:
+            ranks = members_of[cls[0]]
+        else:
+            for c in cls:
+                if c not in item_of:
+                    item_of[c] = dict(zip(keys_of[c], plans[reps[c]]))
+            problems.extend(_disagreements(k, cls, item_of, members_of, reps, sums))
+            ranks = sorted(r for c in cls for r in members_of[c])
+        replicated.append((chunk_nbytes(item), k, ranks, item))
+    # 4. largest-first greedy over replicated keys, after the unreplicated bytes
+    loads = [0] * world
+    if replicated:
+        for c, keys in enumerate(keys_of):
+            if len(members_of[c]) == 1:
+                items = plans[reps[c]]
+                replicas = compress(items, map(shared.__contains__, keys)) if shared else items
+                loads[members_of[c][0]] = sum(map(chunk_nbytes, items)) - (
+                    sum(map(chunk_nbytes, replicas)) if shared else 0
+                )
+    replicated.sort(key=lambda e: -e[0])
+    load_of = loads.__getitem__
+    heap = [(load, r) for r, load in enumerate(loads)]  # least loaded of all ranks, lazily
+    heapq.heapify(heap)
+    for nbytes, k, ranks, item in replicated:
+        if lowest_rank:
+            r = ranks[0]
+        elif (
+            bytes_on_coordinator
+            and item.type == WriteItemType.BYTE_IO
+            and coordinator_rank in ranks
+        ):
+            r = coordinator_rank
+        elif len(ranks) == world:
+            while True:
+                load, r = heap[0]
+                if load == loads[r]:
+                    break
+                heapq.heapreplace(heap, (loads[r], r))
+            heapq.heapreplace(heap, (load + nbytes, r))
+        else:
+            r = min(ranks, key=load_of)
+        owner[k] = r
+        loads[r] += nbytes
+    # 5. per-rank plans: one pass per class, C-level filtering for single ranks
+    owner_get = owner.__getitem__
+    out: list[list[WriteItem]] = [[] for _ in range(world)]
+    for c, members in enumerate(members_of):
+        items = plans[reps[c]]
+        keys = keys_of[c]
+        if len(members) == 1:
+            r = members[0]
+            if shared:
+                out[r] = list(compress(items, map(r.__eq__, map(owner_get, keys))))
+            else:
+                out[r] = list(items)
+            continue
+        mine = set(members)
+        for k, item in zip(keys, items):
+            r = owner_get(k)
+            if r in mine:
+                out[r].append(item)
+    return DedupResult(plans=out, problems=problems, class_reps=reps)
+
+
+def _disagreements(
+    key: ItemKey,
+    cls: list[int],
+    item_of: Mapping[int, dict[ItemKey, WriteItem]],
+    members_of: list[list[int]],
+    reps: list[int],
+    sums: list[Mapping[Any, int] | None],
+) -> list[str]:
+    """Problems among replicas of ``key`` held by several classes (DEDUP-4, DEDUP-6)."""
+    fqn, off = key
+    where = f"{fqn!r}" + ("" if off is None else f" chunk at offsets {tuple(off)}")
+    by_sig: dict[Any, list[int]] = {}
+    for c in cls:
+        by_sig.setdefault(_signature(item_of[c][key])[2:], []).extend(members_of[c])
+    problems = []
+    if len(by_sig) > 1:
+        desc = "; ".join(f"ranks {sorted(rs)} hold {_describe(sig)}" for sig, rs in by_sig.items())
+        problems.append(f"replicas of {where} disagree in type, dtype or shape: {desc}")
+        return problems
+    by_sum: dict[int | None, list[int]] = {}
+    for c in cls:
+        s = sums[reps[c]]
+        by_sum.setdefault(None if s is None else s.get(key), []).extend(members_of[c])
+    known = {s: rs for s, rs in by_sum.items() if s is not None}
+    if len(known) > 1:
+        desc = "; ".join(f"ranks {sorted(rs)} hold checksum {s:#010x}" for s, rs in known.items())
+        problems.append(f"replicas of {where} differ in value between ranks: {desc}")
+    return problems
+
+
+def _describe(sig: tuple[Any, ...]) -> str:
+    if len(sig) == 1:
+        return "a non-tensor object"
+    kind = {WriteItemType.TENSOR.value: "tensor", WriteItemType.SHARD.value: "shard"}.get(
+        sig[0], "item"
+    )
+    return f"a {kind} of chunk shape {sig[1]}, dtype {sig[2]}, global shape {sig[3]}"

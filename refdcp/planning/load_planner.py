@@ -1,0 +1,147 @@
+"""refdcp's DefaultLoadPlanner: torch's LoadPlanner built from pure functions (RESHARD-*, POLICY-*)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.tensor import DTensor
+
+from .flatten import Flattened, flatten_state_dict, set_by_rich_path
+from .load_policy import LoadPolicy, LoadPolicyError, check_load
+from .local_plan import resolve_tensor_chunk
+from .resharding import read_items_for_chunks
+
+__all__ = ["DefaultLoadPlanner"]
+
+
+def _target_chunks(obj: Any) -> list[ChunkStorageMetadata]:
+    create = getattr(obj, "__create_chunk_list__", None)
+    if create is not None:
+        chunks: list[ChunkStorageMetadata] = create()
+        return chunks
+    if isinstance(obj, ShardedTensor):
+        return [
+            ChunkStorageMetadata(
+                offsets=torch.Size(s.metadata.shard_offsets),
+                sizes=torch.Size(s.metadata.shard_sizes),
+            )
+            for s in obj.local_shards()
+        ]
+    return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
+
+
+class DefaultLoadPlanner(LoadPlanner):
+    """Check the whole state dict against the checkpoint, then plan resharded reads (POLICY-1).
+
+    ``strict`` (default True) rejects keys missing from the checkpoint;
+    ``reject_unexpected`` also rejects checkpoint keys the state dict lacks;
+    ``allow_partial_load=True`` is torch's spelling of ``strict=False``;
+    ``allow_cast`` permits dtype conversion; ``allow_pickle`` loads non-tensor
+    objects with ``weights_only=False``.
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        allow_partial_load: bool = False,
+        *,
+        strict: bool | None = None,
+        reject_unexpected: bool = False,
+        allow_cast: bool = False,
+        allow_pickle: bool = False,
+    ) -> None:
+        if not flatten_state_dict:
+            raise ValueError("refdcp's DefaultLoadPlanner always flattens (FLAT-1)")
+        self.policy = LoadPolicy(
+            strict=(not allow_partial_load) if strict is None else strict,
+            reject_unexpected=reject_unexpected,
+            allow_cast=allow_cast,
+            allow_pickle=allow_pickle,
+        )
+        self.flat = Flattened()
+        self.original_state_dict: dict[Any, Any] = {}
+        self.metadata: Metadata | None = None
+        self.is_coordinator = False
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        if metadata is None:
+            raise ValueError("DefaultLoadPlanner needs the checkpoint's metadata")
+        self.original_state_dict = state_dict
+        self.flat = flatten_state_dict(state_dict)
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        """Every problem at once, before any read (POLICY-1); then reads per target chunk (RESHARD-1)."""
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        keys, problems = check_load(self.flat.items, saved, self.policy)
+        if problems:
+            raise LoadPolicyError(problems)
+        items: list[ReadItem] = []
+        for fqn in keys:
+            obj = self.flat.items[fqn]
+            md = saved[fqn]
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue
+            if isinstance(md, TensorStorageMetadata):
+                items.extend(read_items_for_chunks(fqn, md, _target_chunks(obj)))
+            else:
+                items.append(
+                    ReadItem(
+                        type=LoadItemType.BYTE_IO,
+                        dest_index=_bytes_index(fqn),
+                        dest_offsets=torch.Size((0,)),
+                        storage_index=_bytes_index(fqn),
+                        storage_offsets=torch.Size((0,)),
+                        lengths=torch.Size((0,)),
+                    )
+                )
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Unpickle (weights-only unless ``allow_pickle``) into the original nesting (PLAN-7, FLAT-2)."""
+        obj = torch.load(value, weights_only=not self.policy.allow_pickle)
+        fqn = read_item.dest_index.fqn
+        set_by_rich_path(self.original_state_dict, self.flat.rich[fqn], obj)
+        self.flat.items[fqn] = obj
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """A view of the destination chunk narrowed to the read's box (RESHARD-1)."""
+        obj = self.flat.items[read_item.dest_index.fqn]
+        if isinstance(obj, DTensor):
+            t = obj.to_local()
+        else:
+            t = resolve_tensor_chunk(obj, read_item.dest_index)
+        for d, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            if off != 0 or length != t.shape[d]:
+                t = t.narrow(d, off, length)
+        return t
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def _bytes_index(fqn: str) -> MetadataIndex:
+    return MetadataIndex(fqn)

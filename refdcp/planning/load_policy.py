@@ -1,0 +1,103 @@
+"""Load policy: what may differ between the destination state dict and the checkpoint (POLICY-*).
+
+All problems are collected and raised together, before any read is planned
+(POLICY-1, POLICY-6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    BytesStorageMetadata,
+    TensorStorageMetadata,
+)
+
+from .flatten import is_tensor_like
+
+__all__ = ["LoadPolicy", "LoadPolicyError", "check_load"]
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """``strict``: keys of the state dict missing from the checkpoint are errors (POLICY-2);
+    ``reject_unexpected``: checkpoint keys the state dict does not ask for are
+    errors too (POLICY-3; off by default, so a subset loads as with torch);
+    ``allow_cast``: a dtype mismatch casts instead of failing (POLICY-5);
+    ``allow_pickle``: non-tensor objects load with ``weights_only=False`` (PLAN-7)."""
+
+    strict: bool = True
+    reject_unexpected: bool = False
+    allow_cast: bool = False
+    allow_pickle: bool = False
+
+
+class LoadPolicyError(ValueError):
+    """The state dict does not fit the checkpoint; ``problems`` lists every mismatch (POLICY-1)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            f"state_dict does not match the checkpoint ({len(self.problems)} problem(s)):\n- "
+            + "\n- ".join(self.problems)
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # rebuilt from ``problems`` so it survives the pickling of collectives (ERR-3)
+        return (type(self), (self.problems,))
+
+
+def _dest_dtype(obj: Any) -> torch.dtype | None:
+    dtype = getattr(obj, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def check_load(
+    dest: Mapping[str, Any], saved: Mapping[str, STORAGE_TYPES], policy: LoadPolicy
+) -> tuple[list[str], list[str]]:
+    """(keys to load, problems) for a flattened destination against the checkpoint (POLICY-1..6)."""
+    problems: list[str] = []
+    keys: list[str] = []
+    missing = [k for k in dest if k not in saved]
+    if missing and policy.strict:
+        problems.append(f"missing keys (in the state_dict, not in the checkpoint): {missing}")
+    if policy.reject_unexpected:
+        unexpected = [k for k in saved if k not in dest]
+        if unexpected:
+            problems.append(
+                f"unexpected keys (in the checkpoint, not in the state_dict): {unexpected}"
+            )
+    for fqn, obj in dest.items():
+        md = saved.get(fqn)
+        if md is None:
+            continue
+        tensor_dest = is_tensor_like(obj)
+        if isinstance(md, BytesStorageMetadata):
+            if tensor_dest:
+                problems.append(
+                    f"{fqn!r}: the checkpoint holds a non-tensor object, the state_dict a tensor"
+                )
+                continue
+        elif isinstance(md, TensorStorageMetadata):
+            if not tensor_dest:
+                problems.append(
+                    f"{fqn!r}: the checkpoint holds a tensor, the state_dict a {type(obj).__name__}"
+                )
+                continue
+            shape = tuple(obj.size())
+            if shape != tuple(md.size):
+                problems.append(
+                    f"{fqn!r}: shape mismatch: checkpoint {list(md.size)}, state_dict {list(shape)}"
+                )
+            dtype = _dest_dtype(obj)
+            if dtype is not None and dtype != md.properties.dtype and not policy.allow_cast:
+                problems.append(
+                    f"{fqn!r}: dtype mismatch: checkpoint {md.properties.dtype}, state_dict {dtype} "
+                    "(pass allow_cast=True to cast)"
+                )
+        keys.append(fqn)
+    return keys, problems

@@ -1,0 +1,206 @@
+"""Local save plans: one write item per chunk this rank could write (PLAN-1, PLAN-2, PLAN-6..8).
+
+Pure functions over a flattened state dict; no storage, no process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import crc32c
+import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ItemKey",
+    "chunk_nbytes",
+    "chunkless_tensors",
+    "item_key",
+    "object_write_items",
+    "plan_digest",
+    "replica_checksums",
+    "save_items",
+    "tensor_checksum",
+]
+
+#: (fqn, chunk offsets) for tensors, (fqn, None) for bytes: what dedup groups by.
+ItemKey = tuple[str, "torch.Size | None"]
+
+
+def item_key(item: WriteItem) -> ItemKey:
+    return (item.index.fqn, item.index.offset)
+
+
+def object_write_items(fqn: str, obj: object) -> list[WriteItem]:
+    """The write items of one flattened value (PLAN-1, PLAN-2)."""
+    if isinstance(obj, DTensor):
+        if any(p.is_partial() for p in obj.placements):
+            raise ValueError(
+                f"{fqn!r} is a DTensor with a Partial placement {obj.placements}; "
+                "reduce it (e.g. redistribute to Replicate) before checkpointing"
+            )
+        if obj.device_mesh.get_coordinate() is None:
+            return []
+    create = getattr(obj, "__create_write_items__", None)
+    if create is not None:
+        items: list[WriteItem] = create(fqn, obj)
+        return [i for i in items if not _empty_shard(i)]
+    if isinstance(obj, ShardedTensor):
+        out = []
+        for shard in obj.local_shards():
+            if shard.tensor.numel() == 0:
+                continue
+            off = torch.Size(shard.metadata.shard_offsets)
+            out.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, off),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(
+                            offsets=off, sizes=torch.Size(shard.metadata.shard_sizes)
+                        ),
+                        properties=TensorProperties.create_from_tensor(shard.tensor),
+                        size=obj.size(),
+                    ),
+                )
+            )
+        return out
+    if isinstance(obj, torch.Tensor):
+        off = torch.Size([0] * obj.dim())
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, off),
+                type=WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=off, sizes=obj.size()),
+                    properties=TensorProperties.create_from_tensor(obj),
+                    size=obj.size(),
+                ),
+            )
+        ]
+    return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
+
+
+def _empty_shard(item: WriteItem) -> bool:
+    td = item.tensor_data
+    return item.type == WriteItemType.SHARD and td is not None and 0 in td.chunk.sizes
+
+
+def chunkless_tensors(
+    flat: Mapping[str, Any], items: Iterable[WriteItem]
+) -> dict[str, tuple[TensorProperties, torch.Size]]:
+    """Sharded values for which this rank plans no chunk: their dtype and global shape (META-1)."""
+    planned = {i.index.fqn for i in items}
+    out: dict[str, tuple[TensorProperties, torch.Size]] = {}
+    for fqn, obj in flat.items():
+        if fqn in planned or not isinstance(obj, (torch.Tensor, ShardedTensor)):
+            continue
+        if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+            continue
+        dtype = getattr(obj, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            out[fqn] = (TensorProperties(dtype=dtype), torch.Size(obj.size()))
+    return out
+
+
+def save_items(flat: Mapping[str, Any]) -> list[WriteItem]:
+    """All write items of a flattened state dict, in key order (PLAN-1)."""
+    items: list[WriteItem] = []
+    for fqn, obj in flat.items():
+        items.extend(object_write_items(fqn, obj))
+    return items
+
+
+def chunk_nbytes(item: WriteItem) -> int:
+    """Bytes of the item's CHUNK (not the global tensor, unlike torch); 1 for bytes (DEDUP-3)."""
+    td = item.tensor_data
+    if td is None:
+        return 1
+    return math.prod(td.chunk.sizes) * _itemsize(td.properties.dtype)
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+def _signature(item: WriteItem) -> tuple[Any, ...]:
+    td = item.tensor_data
+    if td is None:
+        return (item.index.fqn, None, item.type.value)
+    return (
+        item.index.fqn,
+        tuple(item.index.offset or ()),
+        item.type.value,
+        tuple(td.chunk.sizes),
+        str(td.properties.dtype),
+        tuple(td.size),
+    )
+
+
+def plan_digest(items: Iterable[WriteItem], checksums: Mapping[Any, int] | None = None) -> str:
+    """A digest of the items' keys, shapes, dtypes (and value checksums): equal plans, equal digests."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr([_signature(i) for i in items]).encode())
+    if checksums:
+        h.update(repr(sorted(checksums.items(), key=repr)).encode())
+    return h.hexdigest()
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """crc32c of a tensor's element bytes in row-major order (DEDUP-6)."""
+    t = t.detach().resolve_conj().resolve_neg().to("cpu")
+    if t.numel() == 0:
+        return 0
+    data = (
+        torch.empty_like(t, memory_format=torch.contiguous_format)
+        .copy_(t)
+        .reshape(-1)
+        .view(torch.uint8)
+        .numpy()
+    )
+    return int(crc32c.crc32c(data.tobytes()))
+
+
+def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
+    """Checksum of every item's value, keyed like dedup groups items (DEDUP-6)."""
+    out: dict[Any, int] = {}
+    for item in items:
+        obj = flat[item.index.fqn]
+        if item.type == WriteItemType.BYTE_IO:
+            out[item_key(item)] = int(crc32c.crc32c(pickle.dumps(obj, protocol=4)))
+        else:
+            out[item_key(item)] = tensor_checksum(resolve_tensor_chunk(obj, item.index))
+    return out
+
+
+def resolve_tensor_chunk(obj: Any, index: MetadataIndex) -> torch.Tensor:
+    """The local tensor holding the chunk ``index`` of ``obj`` (PLAN-1)."""
+    getter = getattr(obj, "__get_tensor_shard__", None)
+    if getter is not None:
+        t: torch.Tensor = getter(index)
+        return t
+    if isinstance(obj, ShardedTensor):
+        for shard in obj.local_shards():
+            if torch.Size(shard.metadata.shard_offsets) == index.offset:
+                return shard.tensor
+        raise ValueError(f"{index.fqn!r} has no local shard at {index.offset}")
+    if isinstance(obj, torch.Tensor):
+        return obj
+    raise ValueError(f"{index.fqn!r} is not a tensor")

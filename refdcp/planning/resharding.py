@@ -1,0 +1,92 @@
+"""Resharding: read items that tile every target chunk from any saved chunk grid (RESHARD-*).
+
+A sweep along one dimension (the one where the saved chunks have the most
+distinct starts) pairs target and saved chunks; each overlapping pair gives
+one read of their intersection (RESHARD-1, RESHARD-2).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+__all__ = ["read_items_for_chunks"]
+
+
+def read_items_for_chunks(
+    fqn: str, saved: TensorStorageMetadata, targets: Sequence[ChunkStorageMetadata]
+) -> list[ReadItem]:
+    """Reads that cover each non-empty target chunk exactly once (RESHARD-1..3).
+
+    Offsets in a ReadItem are relative: ``dest_offsets`` to the target chunk,
+    ``storage_offsets`` to the saved chunk. Empty chunks give no reads.
+    """
+    ndim = len(saved.size)
+    out: list[ReadItem] = []
+    if ndim == 0:
+        for ti, t in enumerate(targets):
+            out.append(_read(fqn, t.offsets, ti, saved.chunks[0].offsets, 0, (), (), ()))
+        return out
+    src = [
+        (tuple(c.offsets), tuple(c.sizes), i)
+        for i, c in enumerate(saved.chunks)
+        if all(s > 0 for s in c.sizes)
+    ]
+    if not src:
+        return out
+    dim = max(range(ndim), key=lambda d: len({s[0][d] for s in src}))
+    src.sort(key=lambda s: s[0][dim])
+    starts = [s[0][dim] for s in src]
+    # prefix maximum of saved ends along dim: lets the scan stop early
+    max_len = max(s[1][dim] for s in src)
+    for ti, t in enumerate(targets):
+        toff, tsz = tuple(t.offsets), tuple(t.sizes)
+        if any(s <= 0 for s in tsz):
+            continue
+        lo_d, hi_d = toff[dim], toff[dim] + tsz[dim]
+        # saved chunks that can reach lo_d start at or after lo_d - max_len
+        first = bisect.bisect_right(starts, lo_d - max_len)
+        last = bisect.bisect_left(starts, hi_d)
+        for soff, ssz, si in src[first:last]:
+            lengths = []
+            dest = []
+            stor = []
+            for a, n, b, m in zip(toff, tsz, soff, ssz):
+                lo = a if a > b else b
+                hi = min(a + n, b + m)
+                if hi <= lo:
+                    break
+                lengths.append(hi - lo)
+                dest.append(lo - a)
+                stor.append(lo - b)
+            else:
+                out.append(_read(fqn, toff, ti, soff, si, dest, stor, lengths))
+    return out
+
+
+def _read(
+    fqn: str,
+    toff: Sequence[int],
+    ti: int,
+    soff: Sequence[int],
+    si: int,
+    dest: Sequence[int],
+    stor: Sequence[int],
+    lengths: Sequence[int],
+) -> ReadItem:
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(fqn, torch.Size(toff), ti),
+        dest_offsets=torch.Size(dest),
+        storage_index=MetadataIndex(fqn, torch.Size(soff), si),
+        storage_offsets=torch.Size(stor),
+        lengths=torch.Size(lengths),
+    )

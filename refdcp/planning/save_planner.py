@@ -1,0 +1,163 @@
+"""refdcp's DefaultSavePlanner: torch's SavePlanner built from pure functions (PLAN-*, DEDUP-*, META-*)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+
+from .dedup import dedup_items
+from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
+from .global_metadata import PlanValidationError, build_state_dict_metadata
+from .local_plan import (
+    chunkless_tensors,
+    plan_digest,
+    replica_checksums,
+    resolve_tensor_chunk,
+    save_items,
+)
+
+__all__ = ["DefaultSavePlanner"]
+
+
+class DefaultSavePlanner(SavePlanner):
+    """Flatten, plan every chunk on every rank, dedup on the coordinator, validate (PLAN-1).
+
+    Options: ``check_replicas`` compares replica values by checksum
+    (DEDUP-6); ``bytes_on_coordinator`` keeps non-tensor items on the
+    coordinator (DEDUP-7); ``dedup_save_to_lowest_rank`` is torch's option
+    (DEDUP-2); ``coordinator_rank`` is the coordinator's index in the plan list.
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        *,
+        check_replicas: bool = False,
+        bytes_on_coordinator: bool = True,
+        dedup_save_to_lowest_rank: bool = False,
+        coordinator_rank: int = 0,
+    ) -> None:
+        if not flatten_state_dict:
+            raise ValueError("refdcp's DefaultSavePlanner always flattens (FLAT-1)")
+        self.check_replicas = check_replicas
+        self.bytes_on_coordinator = bytes_on_coordinator
+        self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
+        self.coordinator_rank = coordinator_rank
+        self.flat = Flattened()
+        self.is_coordinator = False
+        self.plan: SavePlan | None = None
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        self.flat = flatten_state_dict(state_dict)
+        self.storage_meta = storage_meta
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = save_items(self.flat.items)
+        sums = replica_checksums(self.flat.items, items) if self.check_replicas else None
+        data: dict[str, Any] = dict(self.flat.paths)
+        data[RESERVED_KEY] = {
+            **encode_structure(self.flat),
+            "digest": plan_digest(items, sums),
+            "checksums": sums,
+            "chunkless": chunkless_tensors(self.flat.items, items),
+        }
+        self.plan = SavePlan(items, planner_data=data)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        with _gc_paused():
+            return self._create_global_plan(all_plans)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        extras = [_extras(p) for p in all_plans]
+        result = dedup_items(
+            [p.items for p in all_plans],
+            digests=[e.get("digest") for e in extras],
+            checksums=[e.get("checksums") for e in extras],
+            coordinator_rank=self.coordinator_rank,
+            bytes_on_coordinator=self.bytes_on_coordinator,
+            lowest_rank=self.dedup_save_to_lowest_rank,
+        )
+        chunkless: dict[str, Any] = {}
+        for e in reversed(extras):
+            chunkless.update(e.get("chunkless") or {})
+        md, problems = build_state_dict_metadata(result.plans, chunkless)
+        problems = result.problems + problems
+        if RESERVED_KEY in md:
+            problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
+        if problems:
+            raise PlanValidationError(problems)
+        planner_data: dict[str, Any] = {}
+        rich: dict[str, Any] = {}
+        empties: list[Any] = []
+        seen_empty: set[Any] = set()
+        # ranks with identical plans hold identical FQNs: merge one plan per group,
+        # lowest rank winning like torch's ChainMap (FLAT-6)
+        for rep in reversed(result.class_reps):
+            p, e = all_plans[rep], extras[rep]
+            if isinstance(p.planner_data, dict):
+                planner_data.update(p.planner_data)
+            rich.update(e.get("rich") or {})
+            for path in e.get("empties") or ():
+                if path not in seen_empty:
+                    seen_empty.add(path)
+                    empties.append(path)
+        planner_data[RESERVED_KEY] = {"version": 1, "rich": rich, "empties": empties}
+        metadata = Metadata(state_dict_metadata=md, planner_data=planner_data)
+        plans = [
+            dataclasses.replace(p, items=items, planner_data=None)
+            for p, items in zip(all_plans, result.plans)
+        ]
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.flat.items[index.fqn]
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """The tensor chunk (as stored, any layout) or torch.save bytes (PLAN-6)."""
+        obj = self.lookup_object(write_item.index)
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            return buf
+        return resolve_tensor_chunk(obj, write_item.index).detach()
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while planning creates millions of small objects (DEDUP-8)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _extras(plan: SavePlan) -> dict[str, Any]:
+    data = plan.planner_data
+    if isinstance(data, dict):
+        extra = data.get(RESERVED_KEY)
+        if isinstance(extra, dict):
+            return extra
+    return {}
