@@ -1,0 +1,27 @@
+"""``refdcp verify PATH``: check a checkpoint's checksums (INTEG-7)."""
+
+from __future__ import annotations
+
+import json as json_module
+import sys
+
+from refdcp.storage.verify import verify_checkpoint
+
+__all__ = ["verify_command"]
+
+
+def verify_command(path: str, *, json: bool) -> int:
+    """Verify ``path``; print a report; return 0 when intact, 1 when damaged (INTEG-7)."""
+    report = verify_checkpoint(path)
+    if json:
+        print(json_module.dumps(report.to_json(), indent=2))
+    else:
+        status = "OK" if report.ok else "CORRUPT"
+        print(
+            f"{status}: {path}: {report.items_checked} item(s) verified, "
+            f"{report.items_without_checksum} without checksum, {len(report.problems)} problem(s)"
+        )
+        for p in report.problems:
+            where = f"fqn={p.fqn!r} " if p.fqn is not None else ""
+            print(f"  {where}file={p.file!r} offset={p.offset}: {p.message}", file=sys.stdout)
+    return 0 if report.ok else 1

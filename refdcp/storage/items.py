@@ -1,0 +1,240 @@
+"""Encoding and decoding of one stored item (FMT-2, FMT-3, FMT-4, INTEG-1).
+
+Shared by the filesystem and in-memory storages, so both hold byte-identical
+blobs: a BYTE_IO item is the caller's ``torch.save`` bytes; a tensor item is
+a torch.save-compatible zip archive (refdcp framing, see ``zipframe``) whose
+raw data begins ``data_offset`` bytes into the blob.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, cast
+
+import crc32c
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+
+from refdcp.errors import RefdcpError
+from refdcp.storage.errors import CorruptionError
+from refdcp.storage.zipframe import MAX_FRAMED_BYTES, frame_for
+
+__all__ = [
+    "CRC_ATTR",
+    "DATA_OFFSET_ATTR",
+    "Encoded",
+    "ChunkIndex",
+    "checksum_of",
+    "data_offset_of",
+    "encode_bytes",
+    "encode_tensor",
+    "load_tensor_from_blob",
+    "raw_view",
+]
+
+#: Extra attributes refdcp sets on torch's ``_StorageInfo`` (torch ignores them).
+CRC_ATTR = "refdcp_crc32c"
+DATA_OFFSET_ATTR = "refdcp_data_offset"
+
+
+@dataclass
+class Encoded:
+    """One item's bytes as a list of buffers, plus its CRC-32C and data offset.
+
+    ``keepalive`` holds the tensor whose memory ``parts`` point into; keep the
+    Encoded alive until the parts are written.  For large tensors the CRC is
+    computed on a worker thread while the bytes are written (``final_crc``).
+    """
+
+    parts: list[Any]
+    length: int
+    crc: int
+    data_offset: int | None
+    keepalive: Any = None
+    crc_future: Future[int] | None = None
+
+    def final_crc(self) -> int:
+        if self.crc_future is not None:
+            self.crc = self.crc_future.result()
+            self.crc_future = None
+        return self.crc
+
+
+_CRC_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="refdcp-crc")
+_ASYNC_CRC_BYTES = 8 << 20
+_CARRAYS: dict[int, Any] = {}
+
+
+def raw_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying.
+
+    The view does not keep ``t`` alive: the caller must.
+    """
+    n = t.nbytes
+    if n == 0:
+        return memoryview(b"")
+    ctype = _CARRAYS.get(n)
+    if ctype is None:
+        ctype = ctypes.c_ubyte * n
+        if len(_CARRAYS) > 4096:
+            _CARRAYS.clear()
+        _CARRAYS[n] = ctype
+    return memoryview(ctype.from_address(t.data_ptr())).cast("B")
+
+
+def _crc_tail(head_crc: int, data: memoryview, tail: bytes) -> int:
+    return int(crc32c.crc32c(tail, crc32c.crc32c(data, head_crc)))
+
+
+def encode_tensor(tensor: torch.Tensor) -> Encoded:
+    """Frame a tensor as a torch.save archive around its raw bytes (FMT-3)."""
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if not t.is_cpu:
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.layout != torch.strided or t.is_quantized or t.nbytes >= MAX_FRAMED_BYTES:
+        return _encode_with_torch_save(t)
+    frame = frame_for(t.dtype, tuple(t.shape))
+    data = raw_view(t)
+    head, tail = frame.head, frame.tail
+    length = len(head) + len(data) + len(tail)
+    if len(data) >= _ASYNC_CRC_BYTES:
+        fut = _CRC_POOL.submit(_crc_tail, frame.head_crc, data, tail)
+        return Encoded([head, data, tail], length, 0, len(head), t, fut)
+    crc = _crc_tail(frame.head_crc, data, tail)
+    return Encoded([head, data, tail], length, crc, len(head), t)
+
+
+def _encode_with_torch_save(t: torch.Tensor) -> Encoded:
+    if t.untyped_storage().nbytes() > t.nbytes:
+        t = t.clone()
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    view = buf.getbuffer()
+    return Encoded([view], len(view), crc32c.crc32c(view), None)
+
+
+def encode_bytes(data: io.BytesIO | bytes) -> Encoded:
+    """A BYTE_IO item is stored as given (FMT-2)."""
+    view = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)
+    return Encoded([view], len(view), crc32c.crc32c(view), None)
+
+
+def checksum_of(info: Any) -> int | None:
+    """The CRC-32C recorded for an item, or None (e.g. written by torch)."""
+    value = getattr(info, CRC_ATTR, None)
+    return value if isinstance(value, int) else None
+
+
+def data_offset_of(info: Any) -> int | None:
+    """Where refdcp-framed raw data starts inside the blob, or None."""
+    value = getattr(info, DATA_OFFSET_ATTR, None)
+    return value if isinstance(value, int) else None
+
+
+def make_storage_info(relative_path: str, offset: int, enc: Encoded) -> _StorageInfo:
+    """torch's ``_StorageInfo`` plus refdcp's checksum and data offset (INTEG-1)."""
+    info = _StorageInfo(relative_path, offset, enc.length)
+    setattr(info, CRC_ATTR, enc.final_crc())
+    if enc.data_offset is not None:
+        setattr(info, DATA_OFFSET_ATTR, enc.data_offset)
+    return info
+
+
+class ChunkIndex:
+    """(fqn, chunk offsets) -> (dtype, chunk sizes), built once per load."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    key = (fqn, tuple(chunk.offsets))
+                    self._chunks[key] = (md.properties.dtype, tuple(chunk.sizes))
+
+    def lookup(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        offset = tuple(index.offset) if index.offset is not None else ()
+        return self._chunks.get((index.fqn, offset))
+
+
+def whole_chunk(req: ReadItem, sizes: Sequence[int]) -> bool:
+    """True when the read covers the entire saved chunk."""
+    return all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(sizes)
+
+
+def narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The sub-box of ``t`` given by ``offsets`` and ``lengths``."""
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o != 0 or n != t.shape[dim]:
+            t = t.narrow(dim, o, n)
+    return t
+
+
+def copy_into_destination(planner: LoadPlanner, req: ReadItem, source: torch.Tensor) -> None:
+    """resolve_tensor -> size check -> copy_ -> commit_tensor (STORE-12)."""
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != source.size():
+        raise RefdcpError(
+            f"read {req.storage_index.fqn}: destination size {tuple(target.size())} "
+            f"!= stored size {tuple(source.size())}"
+        )
+    target.copy_(source)
+    planner.commit_tensor(req, target)
+
+
+def load_tensor_from_blob(
+    blob: memoryview,
+    info: Any,
+    chunk: tuple[torch.dtype, tuple[int, ...]] | None,
+    req: ReadItem,
+    planner: LoadPlanner,
+) -> None:
+    """Decode a tensor blob held in memory and deliver it to the planner (STORE-12)."""
+    offset = data_offset_of(info)
+    if offset is not None and chunk is not None:
+        dtype, sizes = chunk
+        n = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        window = blob[offset : offset + n]
+        if window.readonly:
+            window = memoryview(bytearray(window))
+        raw = torch.frombuffer(window, dtype=torch.uint8) if n else None
+        stored = torch.empty(sizes, dtype=dtype) if raw is None else raw.view(dtype).reshape(sizes)
+    else:
+        loaded = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        stored = cast(torch.Tensor, loaded)
+    copy_into_destination(planner, req, narrow(stored, req.storage_offsets, req.lengths))
+
+
+def verify_blob(blob: memoryview | bytes, info: Any, fqn: str, file: str) -> None:
+    """Raise CorruptionError unless the blob's CRC-32C matches (INTEG-3)."""
+    expected = checksum_of(info)
+    if expected is None:
+        raise MissingChecksumError(
+            f"{fqn}: no checksum recorded in {file} (not written by refdcp?)"
+        )
+    if len(blob) != info.length:
+        raise CorruptionError(
+            f"item truncated: {len(blob)} of {info.length} bytes",
+            fqn=fqn,
+            file=file,
+            offset=info.offset,
+        )
+    actual = crc32c.crc32c(blob)
+    if actual != expected:
+        raise CorruptionError(
+            f"checksum mismatch (stored {expected:08x}, computed {actual:08x})",
+            fqn=fqn,
+            file=file,
+            offset=info.offset,
+        )
+
+
+class MissingChecksumError(RefdcpError):
+    """verify was requested for an item that has no recorded checksum (INTEG-5)."""

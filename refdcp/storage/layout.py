@@ -1,0 +1,48 @@
+"""File names of a filesystem checkpoint (FMT-1, FMT-2, STORE-2)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+__all__ = [
+    "METADATA_NAME",
+    "data_file_name",
+    "is_data_file",
+    "is_metadata_temp",
+    "metadata_temp_name",
+    "new_save_token",
+    "rank_metadata_name",
+]
+
+METADATA_NAME = ".metadata"
+DATA_SUFFIX = ".distcp"
+_TEMP = re.compile(r"^(__\d+)?\.metadata\.([0-9a-f]+\.)?tmp$")
+
+
+def new_save_token() -> str:
+    """A short random token that makes one save's data file names unique (STORE-2)."""
+    return uuid.uuid4().hex[:12]
+
+
+def data_file_name(prefix: str, n: int, token: str) -> str:
+    """``__{rank}_{n}.{token}.distcp``: unique to one save, so never mistaken for committed data."""
+    return f"{prefix}{n}.{token}{DATA_SUFFIX}"
+
+
+def rank_metadata_name(rank: int | None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for rank-local (no-collectives) saves."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def metadata_temp_name(rank: int | None, token: str) -> str:
+    """The temporary name ``.metadata`` is written under before its atomic rename."""
+    return f"{rank_metadata_name(rank)}.{token}.tmp"
+
+
+def is_data_file(name: str) -> bool:
+    return name.startswith("__") and name.endswith(DATA_SUFFIX)
+
+
+def is_metadata_temp(name: str) -> bool:
+    return _TEMP.match(name) is not None

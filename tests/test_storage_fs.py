@@ -1,0 +1,341 @@
+"""FileSystemWriter / FileSystemReader: protocol, layout, commit, options (spec/storage.md)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from refdcp.storage import CheckpointExistsError, FileSystemReader, FileSystemWriter
+from refdcp.storage import filesystem as fs_mod
+from refdcp.storage.filesystem import split_into_buckets
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _sd(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(8, 5, generator=g),
+        "b": torch.randn(7, generator=g).bfloat16(),
+        "i": torch.randint(0, 100, (3, 3), generator=g),
+        "step": seed,
+        "nested": {"lr": 0.5 + seed, "names": ["a", seed]},
+    }
+
+
+def _empty_like(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        elif isinstance(v, dict):
+            out[k] = _empty_like(v)
+        else:
+            out[k] = None
+    return out
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+            assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+        elif isinstance(a[k], dict):
+            _assert_same(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+def save(sd: dict[str, Any], writer: StorageWriter) -> Any:
+    return dcp.save(sd, storage_writer=writer, no_dist=True)
+
+
+def load(sd: dict[str, Any], reader: StorageReader) -> dict[str, Any]:
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+@pytest.mark.spec("STORE-7", "STORE-12")
+def test_round_trip_through_torch_entry_points(tmp_path: Path) -> None:
+    sd = _sd(1)
+    w = FileSystemWriter(tmp_path)
+    assert isinstance(w, StorageWriter)
+    save(sd, w)
+    r = FileSystemReader(tmp_path)
+    assert isinstance(r, StorageReader)
+    _assert_same(load(_empty_like(sd), r), sd)
+
+
+@pytest.mark.spec("STORE-2", "STORE-5")
+def test_unique_names_and_stale_cleanup(tmp_path: Path) -> None:
+    save(_sd(1), FileSystemWriter(tmp_path, thread_count=3))
+    first = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
+    assert len(first) == 3
+    (tmp_path / "__0_9.distcp").write_bytes(b"stale from torch")
+    (tmp_path / ".metadata.abc.tmp").write_bytes(b"half-written temp")
+    save(_sd(2), FileSystemWriter(tmp_path))
+    second = sorted(n for n in os.listdir(tmp_path) if n != ".metadata")
+    assert len(second) == 1 and second[0] not in first
+    assert second[0].startswith("__0_0.") and second[0].endswith(".distcp")
+    _assert_same(load(_empty_like(_sd(2)), FileSystemReader(tmp_path)), _sd(2))
+
+
+@pytest.mark.spec("STORE-5")
+def test_reader_opens_only_referenced_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save(_sd(3), FileSystemWriter(tmp_path))
+    (tmp_path / "__0_0.distcp").write_bytes(b"junk")
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, *a: Any) -> int:
+        opened.append(os.path.basename(str(path)))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(fs_mod.os, "open", spy)
+    load(_empty_like(_sd(3)), FileSystemReader(tmp_path))
+    assert "__0_0.distcp" not in opened
+    assert all(n.endswith(".distcp") for n in opened)
+
+
+@pytest.mark.spec("STORE-2", "STORE-1")
+def test_failed_save_keeps_old_checkpoint(tmp_path: Path) -> None:
+    save(_sd(1), FileSystemWriter(tmp_path))
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+
+    class Boom(FileSystemWriter):
+        def finish(self, metadata: Any, results: Any) -> None:
+            raise RuntimeError("injected failure before commit")
+
+    with pytest.raises(BaseException, match="injected"):
+        save(_sd(2), Boom(tmp_path))
+    for name, data in before.items():
+        assert (tmp_path / name).read_bytes() == data
+    _assert_same(load(_empty_like(_sd(1)), FileSystemReader(tmp_path)), _sd(1))
+
+
+@pytest.mark.spec("STORE-6")
+def test_overwrite_false_refuses_before_writing(tmp_path: Path) -> None:
+    save(_sd(1), FileSystemWriter(tmp_path))
+    names = set(os.listdir(tmp_path))
+    with pytest.raises(BaseException, match="overwrite=False"):
+        save(_sd(2), FileSystemWriter(tmp_path, overwrite=False))
+    assert set(os.listdir(tmp_path)) == names
+    w = FileSystemWriter(tmp_path, overwrite=False)
+    w.set_up_storage_writer(True, rank=0, use_collectives=True)
+    with pytest.raises(CheckpointExistsError):
+        w.prepare_local_plan(SavePlan([]))
+    fresh = tmp_path / "fresh"
+    save(_sd(3), FileSystemWriter(fresh, overwrite=False))
+    assert (fresh / ".metadata").exists()
+
+
+@pytest.mark.spec("STORE-4", "STORE-15")
+def test_fsync_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    replaced: list[int] = []
+    real_replace = os.replace
+
+    def spy_replace(a: Any, b: Any) -> None:
+        replaced.append(len(synced))
+        real_replace(a, b)
+
+    monkeypatch.setattr(fs_mod.os, "fsync", spy)
+    monkeypatch.setattr(fs_mod.os, "replace", spy_replace)
+    save(_sd(1), FileSystemWriter(tmp_path, thread_count=2))
+    names = [os.path.basename(p) for p in synced]
+    root = str(tmp_path.resolve())
+    data = [n for n in names if n.endswith(".distcp")]
+    assert len(data) == 2
+    assert any(n.endswith(".tmp") for n in names[: replaced[0]])
+    assert synced[replaced[0] - 1] == root  # directory fsynced right before the rename
+    assert synced[-1] == root  # and after it
+    synced.clear()
+    save(_sd(2), FileSystemWriter(tmp_path / "nosync", sync_files=False))
+    assert synced == []
+
+
+@pytest.mark.spec("STORE-8")
+def test_bucketing_matches_torch(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
+    from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_tensor
+
+    items: list[WriteItem] = [
+        _create_write_item_for_tensor(f"t{i}", torch.empty(n))
+        for i, n in enumerate([5, 50, 7, 9, 1])
+    ] + [WriteItem(MetadataIndex(f"o{i}"), WriteItemType.BYTE_IO) for i in range(3)]
+    for n in (1, 2, 3):
+        mine = [[i.index.fqn for i in b] for b in split_into_buckets(n, items)]
+        theirs = [[i.index.fqn for i in b] for b in _split_by_size_and_type(n, items)]
+        assert mine == theirs
+    save(_sd(1), FileSystemWriter(tmp_path / "per_item", single_file_per_rank=False))
+    md = pickle.loads((tmp_path / "per_item" / ".metadata").read_bytes())
+    paths = [i.relative_path for i in md.storage_data.values()]
+    assert len(set(paths)) == len(paths) == len(md.storage_data)
+
+
+@pytest.mark.spec("STORE-9")
+def test_prepare_global_plan_prefixes() -> None:
+    w = FileSystemWriter("/tmp/unused")
+    plans = [SavePlan([]), SavePlan([], storage_data=_StoragePrefix("__7_")), SavePlan([])]
+    out = w.prepare_global_plan(plans)
+    assert [p.storage_data.prefix for p in out] == ["__0_", "__7_", "__2_"]
+
+
+@pytest.mark.spec("STORE-10")
+def test_validate_checkpoint_id_like_torch(tmp_path: Path) -> None:
+    for cid in [
+        tmp_path,
+        str(tmp_path / "a" / "b"),
+        "s3://bucket/x",
+        "/proc/nonexistent/x",
+        Path("rel"),
+    ]:
+        assert FileSystemWriter.validate_checkpoint_id(
+            cid
+        ) == dcp.FileSystemWriter.validate_checkpoint_id(cid)
+        assert FileSystemReader.validate_checkpoint_id(
+            cid
+        ) == dcp.FileSystemReader.validate_checkpoint_id(cid)
+
+
+class _RecordingPlanner(DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        self.resolved: dict[str, int] = {}
+        self.raw_bytes: dict[str, bytes] = {}
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        t = super().resolve_tensor(read_item)
+        self.events.append(("resolve", read_item.dest_index.fqn))
+        self.resolved[read_item.dest_index.fqn] = t.data_ptr()
+        return t
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        self.events.append(("commit", read_item.dest_index.fqn))
+        super().commit_tensor(read_item, tensor)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        self.raw_bytes[read_item.dest_index.fqn] = value.getvalue()
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+@pytest.mark.spec("STORE-11", "STORE-12", "FMT-8")
+def test_reader_protocol_and_direct_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sd = _sd(4)
+    save(sd, FileSystemWriter(tmp_path))
+    dest = _empty_like(sd)
+    ptrs = {k: v.data_ptr() for k, v in dest.items() if isinstance(v, torch.Tensor)}
+    allocated: list[tuple[int, ...]] = []
+    real_empty = torch.empty
+
+    def spy_empty(*a: Any, **k: Any) -> torch.Tensor:
+        allocated.append(tuple(a[0]) if a and isinstance(a[0], tuple | list) else ())
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(fs_mod.torch, "empty", spy_empty)
+    planner = _RecordingPlanner()
+    dcp.load(dest, storage_reader=FileSystemReader(tmp_path), planner=planner, no_dist=True)
+    monkeypatch.undo()
+    _assert_same(dest, sd)
+    assert allocated == []  # no temporary tensor per item
+    assert {k: v.data_ptr() for k, v in dest.items() if isinstance(v, torch.Tensor)} == ptrs
+    for fqn in ptrs:
+        i = planner.events.index(("resolve", fqn))
+        assert planner.events[i + 1] == ("commit", fqn)
+    assert torch.load(__import__("io").BytesIO(planner.raw_bytes["step"]), weights_only=True) == 4
+
+
+@pytest.mark.spec("STORE-12")
+def test_narrowed_reads_and_casts(tmp_path: Path) -> None:
+    full = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    save({"t": full}, FileSystemWriter(tmp_path))
+    r = FileSystemReader(tmp_path)
+    md = r.read_metadata()
+    r.set_up_storage_reader(md, True)
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    got: dict[str, torch.Tensor] = {}
+
+    class P(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            got["dst"] = torch.zeros(2, 3, dtype=torch.float64).t()  # non-contiguous, other dtype
+            return got["dst"]
+
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            got["committed"] = tensor
+
+    item = ReadItem(
+        LoadItemType.TENSOR,
+        MetadataIndex("t", [0, 0]),
+        torch.Size([0, 0]),
+        MetadataIndex("t", [0, 0]),
+        torch.Size([3, 4]),
+        torch.Size([3, 2]),
+    )
+    r.read_data(LoadPlan([item]), P()).wait()
+    assert torch.equal(got["committed"], full[3:6, 4:6].double())
+    assert got["committed"].data_ptr() == got["dst"].data_ptr()
+
+    class Bad(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            return torch.zeros(5)
+
+    with pytest.raises(Exception, match="size"):
+        r.read_data(LoadPlan([item]), Bad()).wait()
+
+
+@pytest.mark.spec("STORE-13")
+def test_truncated_data_file_raises(tmp_path: Path) -> None:
+    from refdcp.storage import CorruptionError
+
+    sd = _sd(5)
+    save(sd, FileSystemWriter(tmp_path))
+    (data,) = [p for p in tmp_path.iterdir() if p.name.endswith(".distcp")]
+    raw = data.read_bytes()
+    data.write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(BaseException) as info:
+        load(_empty_like(sd), FileSystemReader(tmp_path))
+    text = str(info.value)
+    assert "truncated" in text and data.name in text
+    r = FileSystemReader(tmp_path)
+    md = r.read_metadata()
+    r.set_up_storage_reader(md, True)
+    plan = DefaultLoadPlanner()
+    plan.set_up_planner(_empty_like(sd), md, True)
+    with pytest.raises(CorruptionError) as err:
+        r.read_data(plan.create_local_plan(), plan).wait()
+    assert err.value.file == data.name and err.value.fqn in {"w", "b", "i"}
+
+
+@pytest.mark.spec("STORE-2")
+def test_reused_writer_gets_fresh_names(tmp_path: Path) -> None:
+    w = FileSystemWriter(tmp_path)
+    save(_sd(1), w)
+    first = {n for n in os.listdir(tmp_path) if n.endswith(".distcp")}
+    save(_sd(2), w)  # same instance, no reset
+    second = {n for n in os.listdir(tmp_path) if n.endswith(".distcp")}
+    assert first.isdisjoint(second)
+    _assert_same(load(_empty_like(_sd(2)), FileSystemReader(tmp_path)), _sd(2))
