@@ -1,0 +1,325 @@
+"""``refdcp.async_save``: stage now, write in the background (spec/staging.md, ASYNC-*).
+
+The caller is blocked only while the state dict is staged (copied) by the
+stager; the collective save of the snapshot then runs on a background thread
+(``executor="thread"``) or a background process (``executor="process"``, see
+:mod:`refdcp.async_process`). The returned :class:`AsyncSaveHandle` has two
+futures: ``staged`` (the source may be mutated now) and ``committed`` (the
+checkpoint is durable; the result is its ``Metadata``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from refdcp.comm.base import Communicator
+from refdcp.staging.cpu_stager import CpuStager
+
+__all__ = [
+    "AsyncSaveHandle",
+    "InFlightLimiter",
+    "async_save",
+    "checkpoint_process_group",
+    "DEFAULT_LIMITER",
+]
+
+SaveFn = Callable[..., Metadata]
+
+
+class AsyncSaveHandle:
+    """The two stages of one asynchronous save (ASYNC-1).
+
+    ``staged`` resolves (to None) once the snapshot is complete: the source
+    may be mutated from then on. ``committed`` resolves to the ``Metadata``
+    once the checkpoint is durable, or to the save's exception. ``result()``
+    waits for ``committed``, so code written for torch's future keeps working.
+    """
+
+    def __init__(self) -> None:
+        self.staged: Future[None] = Future()
+        self.committed: Future[Metadata] = Future()
+
+    def result(self, timeout: float | None = None) -> Metadata:
+        """Wait for the commit and return the Metadata (or raise the save's error)."""
+        return self.committed.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.committed.exception(timeout)
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self.committed.done()
+
+    def add_done_callback(self, fn: Callable[[Future[Metadata]], object]) -> None:
+        self.committed.add_done_callback(fn)
+
+
+class InFlightLimiter:
+    """Bounds how many saves may be in flight (staged but not committed) at once (ASYNC-5).
+
+    Policy: a save that would exceed ``max_in_flight`` blocks its caller
+    before staging until an earlier save completes (committed or failed); if
+    none completes within ``wait_timeout`` seconds it raises TimeoutError and
+    starts nothing.
+    """
+
+    def __init__(self, max_in_flight: int = 1, wait_timeout: float = 3600.0) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.max_in_flight = max_in_flight
+        self.wait_timeout = wait_timeout
+        self._cond = threading.Condition()
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        with self._cond:
+            return self._in_flight
+
+    def acquire(self) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._in_flight < self.max_in_flight, timeout=self.wait_timeout
+            )
+            if not ok:
+                raise TimeoutError(
+                    f"{self._in_flight} checkpoint save(s) still in flight after "
+                    f"{self.wait_timeout:.1f} s; max_in_flight={self.max_in_flight} (ASYNC-5)"
+                )
+            self._in_flight += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+
+_GROUPS_LOCK = threading.Lock()
+
+#: The bound shared by every ``async_save`` call that passes neither a limiter nor a ``comm``.
+DEFAULT_LIMITER = InFlightLimiter(max_in_flight=1)
+_COMM_LIMITERS: weakref.WeakKeyDictionary[Any, InFlightLimiter] = weakref.WeakKeyDictionary()
+
+
+def _default_limiter(comm: Communicator | None) -> InFlightLimiter:
+    """One save in flight per explicit communicator (each FakeWorld rank has its own), else per process."""
+    if comm is None:
+        return DEFAULT_LIMITER
+    with _GROUPS_LOCK:
+        try:
+            lim = _COMM_LIMITERS.get(comm)
+            if lim is None:
+                lim = InFlightLimiter(max_in_flight=1)
+                _COMM_LIMITERS[comm] = lim
+        except TypeError:  # not weak-referenceable
+            return DEFAULT_LIMITER
+        return lim
+
+
+_GROUPS: dict[Any, Any] = {}
+
+_COMMS: dict[int, Communicator] = {}
+
+
+def checkpoint_process_group(process_group: Any = None) -> Any:
+    """A dedicated Gloo group for background checkpoint collectives (ASYNC-6).
+
+    Created once per ``process_group`` (None = WORLD) and cached. Creating it
+    is itself collective: every rank of the default group must reach the
+    first ``async_save`` for a given group, as with ``dist.new_group``.
+    """
+    key = None if process_group is None else id(process_group)
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(key)
+        if group is None:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            group = dist.new_group(ranks=ranks, backend="gloo")
+            _GROUPS[key] = group
+        return group
+
+
+def _background_comm(
+    comm: Communicator | None, process_group: Any, no_dist: bool
+) -> Communicator | None:
+    """The Communicator the background save uses (None: single rank)."""
+    if comm is not None:
+        return comm
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = checkpoint_process_group(process_group)
+    with _GROUPS_LOCK:
+        comm_ = _COMMS.get(id(group))
+        if comm_ is None:
+            from refdcp.comm import TorchDistComm
+
+            comm_ = TorchDistComm(group)
+            _COMMS[id(group)] = comm_
+        return comm_
+
+
+def _unwrap_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level ``Stateful`` values are replaced by their ``state_dict()`` (as torch does)."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+
+
+def _default_save_fn() -> SaveFn:
+    from refdcp.api import save
+
+    return save
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Any = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    stager: AsyncStager | None = None,
+    executor: str = "thread",
+    process_group: Any = None,
+    comm: Communicator | None = None,
+    no_dist: bool = False,
+    limiter: InFlightLimiter | None = None,
+    save_fn: SaveFn | None = None,
+) -> AsyncSaveHandle:
+    """Stage ``state_dict`` and save the snapshot in the background (ASYNC-1).
+
+    ``stager`` defaults to a fresh-copy :class:`CpuStager` (ASYNC-2).
+    ``limiter`` bounds saves in flight (default :data:`DEFAULT_LIMITER`, one
+    save per process, or per ``comm`` when one is given; ASYNC-5). ``save_fn``
+    replaces ``refdcp.save`` (e.g. a wrapper for fault injection); it is called
+    with the staged dict and the keyword arguments ``checkpoint_id``,
+    ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``.
+    """
+    if executor not in ("thread", "process"):
+        raise ValueError(f"executor must be 'thread' or 'process', not {executor!r}")
+    if executor == "process":
+        from refdcp.staging.process_executor import async_save_process
+
+        return async_save_process(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            stager=stager,
+            process_group=process_group,
+            comm=comm,
+            no_dist=no_dist,
+            limiter=limiter,
+        )
+    bg_comm = _background_comm(comm, process_group, no_dist)
+    limiter = _default_limiter(comm) if limiter is None else limiter
+    fn = _default_save_fn() if save_fn is None else save_fn
+    stager_ = CpuStager() if stager is None else stager
+
+    limiter.acquire()
+    handle = AsyncSaveHandle()
+    try:
+        staged_or_future = stager_.stage(_unwrap_stateful(state_dict))
+    except BaseException:
+        limiter.release()
+        raise
+    snapshot: Future[dict[str, Any]]
+    if isinstance(staged_or_future, Future):
+        snapshot = staged_or_future
+    else:
+        snapshot = Future()
+        snapshot.set_result(staged_or_future)
+    del staged_or_future
+
+    def on_staged(f: Future[dict[str, Any]]) -> None:
+        exc = f.exception()
+        if exc is None:
+            handle.staged.set_result(None)
+        else:
+            handle.staged.set_exception(exc)
+
+    snapshot.add_done_callback(on_staged)
+    # The background job owns the only reference to the snapshot and drops it
+    # before ``committed`` resolves, so a fresh copy is freed before the
+    # caller can stage the next one (peak memory: one snapshot per save in flight).
+    box: list[Future[dict[str, Any]]] = [snapshot]
+    del snapshot
+
+    def run() -> None:
+        staged: dict[str, Any] | None = None
+        error: BaseException | None = None
+        metadata: Metadata | None = None
+        try:
+            staged = box.pop().result()
+            kwargs: dict[str, Any] = {
+                "checkpoint_id": checkpoint_id,
+                "storage_writer": storage_writer,
+                "planner": planner,
+            }
+            if bg_comm is not None:
+                kwargs["comm"] = bg_comm
+            else:
+                kwargs["no_dist"] = True
+            metadata = fn(staged, **kwargs)
+        except BaseException as exc:
+            error = exc
+        _finish(stager_, staged, limiter)
+        staged = None
+        if error is not None:
+            handle.committed.set_exception(error)
+        else:
+            assert metadata is not None
+            handle.committed.set_result(metadata)
+
+    _submit_serial(bg_comm, run)
+    if stager_.should_synchronize_after_execute:
+        stager_.synchronize_staging()
+    return handle
+
+
+_CHANNELS: dict[int | None, list[Callable[[], None]]] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _submit_serial(channel: object, job: Callable[[], None]) -> None:
+    """Run ``job`` on a background thread after every earlier job of ``channel`` (ASYNC-13).
+
+    Saves over one communicator (or one process group) run one at a time, in
+    call order, so every rank issues their collectives in the same order.
+    """
+    key = None if channel is None else id(channel)
+    with _CHANNELS_LOCK:
+        pending = _CHANNELS.get(key)
+        if pending is not None:  # a worker is draining this channel
+            pending.append(job)
+            return
+        pending = [job]
+        _CHANNELS[key] = pending
+
+    def drain() -> None:
+        while True:
+            with _CHANNELS_LOCK:
+                if not pending:
+                    del _CHANNELS[key]
+                    return
+                nxt = pending.pop(0)
+            nxt()
+
+    threading.Thread(target=drain, name="refdcp-async-save", daemon=True).start()
+
+
+def _finish(stager: AsyncStager, staged: dict[str, Any] | None, limiter: InFlightLimiter) -> None:
+    """Return the snapshot's buffers (ASYNC-4) and the in-flight slot, before ``committed`` resolves."""
+    try:
+        release = getattr(stager, "release", None)
+        if staged is not None and callable(release):
+            release(staged)
+    finally:
+        limiter.release()

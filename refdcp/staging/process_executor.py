@@ -1,0 +1,254 @@
+"""The process executor of ``async_save``: a background process writes the snapshot (ASYNC-7).
+
+One worker process per training process, started on first use (``spawn``)
+and reused. Snapshots travel through a pipe with torch's multiprocessing
+reductions: tensors in shared memory (``CpuStager(cache_staged_state_dict=True,
+share_memory=True)``) are passed by handle, other tensors are moved to shared
+memory by the sending thread. The worker writes without the training
+process's GIL. With torch.distributed initialised, the workers of all ranks
+form their own Gloo process group (ASYNC-6), so their collectives never meet
+the training loop's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from refdcp.comm.base import Communicator
+
+if TYPE_CHECKING:
+    from refdcp.async_save import AsyncSaveHandle, InFlightLimiter
+
+__all__ = ["async_save_process", "shutdown_worker"]
+
+
+@dataclass(frozen=True)
+class _DistInfo:
+    """How the worker joins its own process group (None: single rank)."""
+
+    init_method: str
+    rank: int
+    world_size: int
+    timeout_s: float
+
+
+@dataclass
+class _Request:
+    staged: dict[str, Any]
+    checkpoint_id: Any
+    storage_writer: StorageWriter | None
+    planner: SavePlanner | None
+
+
+def _child_main(conn: Any, dist_info: _DistInfo | None) -> None:
+    """Worker loop: one save per request, answered with Metadata or the exception."""
+    from refdcp.api import save
+
+    comm: Communicator | None = None
+    if dist_info is not None:
+        dist.init_process_group(
+            "gloo",
+            init_method=dist_info.init_method,
+            rank=dist_info.rank,
+            world_size=dist_info.world_size,
+            timeout=timedelta(seconds=dist_info.timeout_s),
+        )
+        from refdcp.comm import TorchDistComm
+
+        comm = TorchDistComm(None, timeout=dist_info.timeout_s)
+    conn.send(("ready", None))
+    while True:
+        try:
+            req = conn.recv()
+        except EOFError:
+            break
+        if req is None:
+            break
+        try:
+            if comm is None:
+                md = save(
+                    req.staged,
+                    checkpoint_id=req.checkpoint_id,
+                    storage_writer=req.storage_writer,
+                    planner=req.planner,
+                    no_dist=True,
+                )
+            else:
+                md = save(
+                    req.staged,
+                    checkpoint_id=req.checkpoint_id,
+                    storage_writer=req.storage_writer,
+                    planner=req.planner,
+                    comm=comm,
+                )
+            del req
+            conn.send(("ok", md))
+        except BaseException as exc:
+            from refdcp.errors import _picklable
+
+            conn.send(("error", _picklable(exc)))
+    if dist_info is not None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class _Worker:
+    """The parent's side: a FIFO of requests served by one dispatcher thread."""
+
+    def __init__(self, dist_info: _DistInfo | None, start_timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_child_main, args=(child_conn, dist_info), daemon=True, name="refdcp-ckpt"
+        )
+        self.proc.start()
+        child_conn.close()
+        if not self._conn.poll(start_timeout):
+            self.proc.kill()
+            raise TimeoutError(f"the checkpoint worker process did not start in {start_timeout} s")
+        self._conn.recv()
+        self._queue: queue.Queue[tuple[_Request, Future[Metadata]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="refdcp-ckpt-io")
+        self._thread.start()
+        self.alive = True
+
+    def submit(self, req: _Request) -> Future[Metadata]:
+        fut: Future[Metadata] = Future()
+        self._queue.put((req, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            req, fut = item
+            if not self.alive:
+                fut.set_exception(RuntimeError("the checkpoint worker process has died"))
+                continue
+            try:
+                self._conn.send(req)
+                del req, item
+                kind, value = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                self.alive = False
+                fut.set_exception(RuntimeError(f"the checkpoint worker process died: {exc!r}"))
+                continue
+            if kind == "ok":
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+        with contextlib.suppress(Exception):
+            self._conn.send(None)
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.alive = False
+
+
+_WORKER: _Worker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _dist_info(process_group: Any, timeout_s: float) -> _DistInfo:
+    """Agree on a rendezvous address for the workers' own group (collective on the caller)."""
+    from refdcp.async_save import checkpoint_process_group
+
+    group = checkpoint_process_group(process_group)
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    box: list[Any] = [None]
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        box[0] = f"tcp://{host}:{port}"
+    src = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return _DistInfo(str(box[0]), rank, world, timeout_s)
+
+
+def _get_worker(process_group: Any, distributed: bool, timeout_s: float) -> _Worker:
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None or not _WORKER.alive:
+            info = _dist_info(process_group, timeout_s) if distributed else None
+            _WORKER = _Worker(info, start_timeout=timeout_s)
+        return _WORKER
+
+
+def shutdown_worker() -> None:
+    """Stop the worker process, if one was started (also run at interpreter exit)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is not None:
+            _WORKER.shutdown()
+            _WORKER = None
+
+
+atexit.register(shutdown_worker)
+
+
+def async_save_process(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Any,
+    storage_writer: StorageWriter | None,
+    planner: SavePlanner | None,
+    stager: AsyncStager | None,
+    process_group: Any,
+    comm: Communicator | None,
+    no_dist: bool,
+    limiter: InFlightLimiter | None,
+    timeout_s: float = 1800.0,
+) -> AsyncSaveHandle:
+    """``async_save`` with ``executor="process"`` (ASYNC-7)."""
+    from refdcp.async_save import async_save
+
+    if comm is not None:
+        raise ValueError(
+            "executor='process' cannot use an in-process Communicator; "
+            "pass process_group (or nothing) instead (ASYNC-7)"
+        )
+    distributed = not no_dist and dist.is_available() and dist.is_initialized()
+    worker = _get_worker(process_group, distributed, timeout_s)
+
+    def save_in_worker(staged: dict[str, Any], **kwargs: Any) -> Metadata:
+        req = _Request(
+            dict(staged), kwargs["checkpoint_id"], kwargs["storage_writer"], kwargs["planner"]
+        )
+        return worker.submit(req).result()
+
+    return async_save(
+        state_dict,
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        stager=stager,
+        executor="thread",
+        process_group=process_group,
+        no_dist=True,  # the thread only forwards to the worker: no collective in this process
+        limiter=limiter,
+        save_fn=save_in_worker,
+    )

@@ -1,0 +1,165 @@
+"""CPU stagers: snapshot isolation, views, aliasing, leaves, caching (STAGE-6..STAGE-12, STAGE-16)."""
+
+from __future__ import annotations
+
+import gc
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from refdcp.errors import ProtocolError
+from refdcp.staging import CpuStager, State
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+class Opaque:
+    def __init__(self, v: list[int]) -> None:
+        self.v = v
+
+
+def _sd() -> dict[str, object]:
+    base = torch.arange(12, dtype=torch.float32)
+    return {
+        "w": torch.randn(3, 4),
+        "view": base[2:5],
+        "t": base.view(3, 4).t(),
+        "nested": {"lst": [torch.ones(2, dtype=torch.int64), 7, "s"], "tup": (1.5, None)},
+        "pair": Pair(torch.zeros(1, dtype=torch.bfloat16), b"x"),
+        "empty": torch.zeros(0, 3),
+        "flag": torch.tensor(True),
+    }
+
+
+@pytest.mark.spec("STAGE-6", "STAGE-9")
+@pytest.mark.parametrize("cached", [False, True])
+def test_snapshot_equal_and_isolated(cached: bool) -> None:
+    sd = _sd()
+    stager = CpuStager(cache_staged_state_dict=cached)
+    snap = stager.stage(sd)
+    assert snap.keys() == sd.keys()
+    assert isinstance(snap["pair"], Pair) and isinstance(snap["nested"]["tup"], tuple)
+    assert snap["nested"]["lst"][1:] == [7, "s"] and snap["pair"].right == b"x"
+    before = {k: v.clone() for k, v in [("w", sd["w"]), ("view", sd["view"])]}
+    for k in ("w", "view"):
+        assert torch.equal(snap[k], before[k])
+    # mutate every source tensor in place
+    sd["w"].add_(1)  # type: ignore[union-attr]
+    sd["view"].mul_(0)  # type: ignore[union-attr]
+    sd["nested"]["lst"][0].fill_(9)  # type: ignore[index]
+    assert torch.equal(snap["w"], before["w"]) and torch.equal(snap["view"], before["view"])
+    assert torch.equal(snap["nested"]["lst"][0], torch.ones(2, dtype=torch.int64))
+    assert snap["t"].shape == (4, 3) and snap["t"].is_contiguous()
+    assert snap["flag"].item() is True and snap["empty"].shape == (0, 3)
+
+
+@pytest.mark.spec("STAGE-7")
+def test_view_stages_only_its_elements() -> None:
+    big = torch.arange(1_000_000, dtype=torch.float32)
+    snap = CpuStager().stage({"v": big[10:12]})
+    assert snap["v"].tolist() == [10.0, 11.0]
+    assert snap["v"].untyped_storage().nbytes() == 8
+
+
+@pytest.mark.spec("STAGE-8")
+@pytest.mark.parametrize("cached", [False, True])
+def test_aliasing(cached: bool) -> None:
+    tied = torch.randn(4)
+    base = torch.arange(6.0)
+    sd = {"enc": tied, "dec": tied, "a": base[0:4], "b": base[2:6]}
+    snap = CpuStager(cache_staged_state_dict=cached).stage(sd)
+    assert snap["enc"] is snap["dec"]
+    snap["a"][2] = 100.0  # overlapping views are independent copies
+    assert snap["b"][0].item() == 2.0
+
+
+@pytest.mark.spec("STAGE-9")
+def test_non_tensor_leaves_are_deep_copied() -> None:
+    obj = Opaque([1, 2])
+    snap = CpuStager().stage({"o": obj, "l": [obj.v]})
+    obj.v.append(3)
+    assert snap["o"].v == [1, 2] and snap["l"] == [[1, 2]]
+
+
+@pytest.mark.spec("STAGE-10")
+def test_type_check() -> None:
+    stager = CpuStager(cache_staged_state_dict=True, type_check=True)
+    with pytest.raises(TypeError, match=r"opt\.o"):
+        stager.stage({"w": torch.zeros(2), "opt": {"o": Opaque([1])}})
+    assert stager.pool is not None and stager.pool.allocations == 0  # nothing copied
+    ok = stager.stage({"w": torch.zeros(2), "n": 3, "s": "x", "z": None})
+    assert ok["n"] == 3
+    assert CpuStager(type_check=False).stage({"o": Opaque([1])})["o"].v == [1]
+
+
+@pytest.mark.spec("STAGE-11", "STAGE-12")
+def test_cached_buffers_reused_after_release() -> None:
+    stager = CpuStager(cache_staged_state_dict=True, pin_memory=False)
+    src = {"w": torch.randn(64), "b": torch.randn(3)}
+    s1 = stager.stage(src)
+    ptr = s1["w"].data_ptr()
+    s2 = stager.stage(src)  # s1 still leased: a second set
+    assert s2["w"].data_ptr() != ptr
+    assert stager.pool is not None and stager.pool.allocations == 2
+    stager.release(s1)
+    stager.release(s1)  # idempotent
+    s3 = stager.stage(src)
+    assert s3["w"].data_ptr() == ptr and stager.pool.allocations == 2
+    assert torch.equal(s3["w"], src["w"])
+
+
+@pytest.mark.spec("STAGE-12", "STAGE-4")
+def test_lease_released_by_garbage_collection_only() -> None:
+    stager = CpuStager(cache_staged_state_dict=True, pin_memory=False)
+    snap = stager.stage({"w": torch.zeros(8)})
+    assert stager.pool is not None and stager.pool.states() == [State.STAGED]
+    with pytest.raises(ProtocolError):
+        stager.close()
+    del snap
+    gc.collect()
+    assert stager.pool.states() == [State.RELEASED]
+    stager.close()
+
+
+@pytest.mark.spec("STAGE-16")
+def test_works_as_torch_async_stager(tmp_path: Path) -> None:
+    stager = CpuStager(cache_staged_state_dict=True, pin_memory=False)
+    assert isinstance(stager, AsyncStager)
+    assert stager.should_synchronize_after_execute is False
+    w = torch.randn(16)
+    expected = w.clone()
+    fut = dcp.async_save({"w": w}, checkpoint_id=str(tmp_path), async_stager=stager, no_dist=True)
+    w.add_(1)  # after async_save returned: must not reach the checkpoint
+    fut.result(timeout=60)  # type: ignore[union-attr]
+    out = {"w": torch.empty(16)}
+    dcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(out["w"], expected)
+    stager.synchronize_staging()
+    gc.collect()  # torch never calls release(): the snapshot's collection frees the lease
+    assert stager.pool is not None
+    assert State.STAGED not in stager.pool.states()
+    stager.close()
+
+
+@pytest.mark.spec("STAGE-6", "STAGE-7")
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.bool]),
+    step=st.integers(1, 2),
+    cached=st.booleans(),
+)
+def test_random_tensors_roundtrip(
+    shape: list[int], dtype: torch.dtype, step: int, cached: bool
+) -> None:
+    src = torch.randn(*[s * step for s in shape]).to(dtype)
+    view = src[tuple(slice(None, None, step) for _ in shape)]
+    snap = CpuStager(cache_staged_state_dict=cached, pin_memory=False).stage({"v": view})
+    assert snap["v"].dtype == dtype and snap["v"].shape == view.shape
+    assert torch.equal(snap["v"], view)
+    assert snap["v"].untyped_storage().nbytes() == view.numel() * view.element_size()
