@@ -1,0 +1,64 @@
+"""The object a storage author hands to the conformance suite (spec/conformance.md).
+
+A backend builds writers and readers for fresh checkpoint locations and
+declares what it promises beyond the base contract (CONF-41): a check whose
+capability is not declared reports "not applicable" with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+__all__ = ["Backend", "Capabilities"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend promises beyond the base contract.
+
+    * ``overwrite``: a new save into a location that holds a committed
+      checkpoint replaces it (CONF-26).
+    * ``atomic_overwrite``: a failed save into such a location leaves the
+      earlier checkpoint loadable and bit-exact (CONF-29).
+    * ``concurrent_readers``: several readers may load one checkpoint at the
+      same time from several threads (CONF-18).
+    * ``thread_count``: ``Backend.writer`` honours ``thread_count > 1`` (CONF-19).
+    * ``shared_location``: the writers of several ranks may target one
+      location, as on a shared filesystem or object store (CONF-16, CONF-17).
+      Declare False for rank-local storage that only a single rank can use.
+    """
+
+    overwrite: bool = True
+    atomic_overwrite: bool = False
+    concurrent_readers: bool = True
+    thread_count: bool = False
+    shared_location: bool = True
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A storage implementation under test.
+
+    ``new_location(scratch)`` returns a checkpoint id for a fresh, empty
+    location; ``scratch`` is a new empty directory the suite deletes
+    afterwards (backends that do not use the local disk may ignore it).
+    ``writer(location, rank=..., thread_count=...)`` and ``reader(location)``
+    build fresh objects for that location; the suite never shares one writer
+    between ranks.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def new_location(self, scratch: Path) -> Any: ...
+
+    def writer(self, location: Any, *, rank: int, thread_count: int = 1) -> StorageWriter: ...
+
+    def reader(self, location: Any) -> StorageReader: ...

@@ -1,0 +1,71 @@
+"""``refdcp conformance mypkg.module:backend``: run the suite, print the table (CONF-42)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from conformance.backend import Backend
+from conformance.report import dumps, to_markdown
+from conformance.runner import failed_musts, run_checks
+
+__all__ = ["conformance_command", "load_backend"]
+
+
+def load_backend(target: str) -> Backend:
+    """Import ``module:attr``; call it when it is a class or factory rather than a backend."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not attr:
+        raise ValueError(f"expected 'module:attribute', got {target!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, Backend) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Backend):
+        raise TypeError(f"{target} is not a conformance Backend (see conformance/README.md)")
+    return obj
+
+
+def conformance_command(
+    target: str, *, json_path: str | None, markdown: bool, examples: int = 10
+) -> int:
+    """Run every check; print a table (markdown with ``markdown=True``); 1 on a failed MUST."""
+    backend = load_backend(target)
+    results = run_checks(backend, examples=examples)
+    if markdown:
+        sys.stdout.write(to_markdown(backend.name, results))
+    else:
+        for r in results:
+            sys.stdout.write(f"{r.id:<8} {r.level:<10} {r.status:<5} {r.title}\n")
+            if r.reason:
+                sys.stdout.write(f"         {r.reason}\n")
+    if json_path is not None:
+        Path(json_path).write_text(dumps(backend.name, results), encoding="utf-8")
+    bad = failed_musts(results)
+    sys.stdout.write(
+        f"{backend.name}: {len(bad)} failed MUST requirement(s)\n"
+        if bad
+        else f"{backend.name}: conforms\n"
+    )
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m conformance.cli")
+    p.add_argument("target")
+    p.add_argument("--json", dest="json_path")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--examples", type=int, default=10)
+    a = p.parse_args(argv)
+    return conformance_command(
+        a.target, json_path=a.json_path, markdown=a.markdown, examples=a.examples
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Example backends for the conformance suite."""
