@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "conformance":
         from conformance.cli import conformance_command
 
-        code: int = conformance_command(args.target, json_path=args.json_path, markdown=args.markdown)
+        code: int = conformance_command(
+            args.target, json_path=args.json_path, markdown=args.markdown
+        )
         return code
     from refdcp.spec_report import main as spec_main
 

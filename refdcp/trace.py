@@ -229,8 +229,16 @@ def run_trace(
 
 
 def _problem_lines(err: BaseException) -> str:
-    text = str(err)
-    return "\n".join(line for line in text.splitlines() if line.lstrip().startswith("- '"))
+    """The planner's list of problems, once each (the message and traceback both carry it)."""
+    failures = getattr(err, "rank_failures", {})
+    problems: list[str] = []
+    for f in failures.values():
+        problems += [p for p in getattr(f.exception, "problems", []) if p not in problems]
+    if not problems:
+        lines = str(err).splitlines()
+        problems = [x.lstrip()[2:] for x in lines if x.lstrip().startswith("- '")]
+        problems = list(dict.fromkeys(problems))
+    return "\n".join(f"- {p}" for p in problems)
 
 
 def _same(got: Any, want: Any) -> bool:
