@@ -1,7 +1,8 @@
 """``make bench``: every benchmark, refdcp beside torch DCP in one run, reported as ratios.
 
-``python -m benchmarks.run [planning] [storage] [async]`` runs the named ones
-(all by default). Each module's ``main()`` prints its own table. Timings are
+``python -m benchmarks.run [planning] [storage] [async] [-- OPTIONS]`` runs the
+named ones (all by default); options after ``--`` go to each benchmark's own
+parser (e.g. ``-- --trials 5``). Each module's ``main()`` prints its own table. Timings are
 never asserted: they are measurements to read, not tests.
 """
 
@@ -19,6 +20,10 @@ SUITES = {
 
 
 def main(argv: list[str]) -> int:
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
     names = argv or list(SUITES)
     unknown = [n for n in names if n not in SUITES]
     if unknown:
@@ -28,7 +33,7 @@ def main(argv: list[str]) -> int:
         print(f"\n=== {name} ===", flush=True)
         t0 = time.perf_counter()
         module = importlib.import_module(SUITES[name])
-        module.main()
+        module.main(extra)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
     return 0
 
