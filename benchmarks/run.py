@@ -16,6 +16,7 @@ SUITES = {
     "planning": "benchmarks.bench_planning",
     "storage": "benchmarks.bench_storage",
     "async": "benchmarks.bench_async",
+    "gpu": "benchmarks.bench_gpu_staging",
 }
 
 

@@ -216,7 +216,10 @@ def test_concurrent_spawns_return_results_in_rank_order() -> None:
     results: dict[str, Any] = {}
 
     def one(tag: str) -> None:
-        results[tag] = run_gloo(3, _returns, tag, timeout=60.0)
+        try:
+            results[tag] = run_gloo(3, _returns, tag, timeout=60.0)
+        except BaseException as exc:  # reported by the assertion below, with its text
+            results[tag] = f"{type(exc).__name__}: {exc}"
 
     threads = [threading.Thread(target=one, args=(tag,)) for tag in ("a", "b")]
     for t in threads:

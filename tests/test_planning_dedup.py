@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from typing import Any
@@ -196,3 +197,42 @@ def test_ranks_disagree_on_global_shape_or_kind() -> None:
         global_plan(sds)
     ckpt = simulate_save([{"k": torch.zeros(2)}, {"k": torch.zeros(2)}], DefaultSavePlanner)
     assert len(ckpt.data) == 1
+
+
+@pytest.mark.spec("DEDUP-6")
+def test_object_checksum_does_not_depend_on_the_hash_seed() -> None:
+    """Ranks on other hosts have other hash seeds: equal sets and dicts must still agree."""
+    import subprocess
+    import sys
+
+    code = (
+        "from refdcp.planning.local_plan import object_checksum;"
+        "print(object_checksum({'cfg': {'layers', 'heads', 'dim'}, 'b': 1, 'a': [frozenset('xyz')]}))"
+    )
+    seen = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        seen.add(out.stdout.strip())
+    assert len(seen) == 1
+    from refdcp.planning.local_plan import object_checksum
+
+    assert object_checksum({"b": 1, "a": 2}) == object_checksum({"a": 2, "b": 1})
+    assert object_checksum({1, 2}) != object_checksum({1, 3})
+
+
+@pytest.mark.spec("META-4")
+def test_rank_without_chunks_must_agree_on_dtype_and_shape() -> None:
+    from refdcp.planning import LocalShards
+    from refdcp.planning.global_metadata import PlanValidationError
+    from refdcp.planning.simulate import simulate_save
+
+    states = [
+        {"x": LocalShards((4,), [((0,), torch.ones(4))])},
+        {"x": LocalShards((9, 9), [], dtype=torch.int64)},  # holds nothing, claims another tensor
+    ]
+    with pytest.raises(PlanValidationError, match=r"'x': ranks disagree .*rank 1 say dtype torch.int64"):
+        simulate_save(states, DefaultSavePlanner)
+    agreeing = [states[0], {"x": LocalShards((4,), [], dtype=torch.float32)}]
+    simulate_save(agreeing, DefaultSavePlanner)

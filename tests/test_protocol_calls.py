@@ -378,3 +378,15 @@ def test_refdcp_errors_survive_pickling() -> None:
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is type(err) and str(back) == str(err)
         assert getattr(back, "problems", None) == getattr(err, "problems", None)
+
+
+@pytest.mark.spec("LOAD-1", "FLAT-3")
+def test_load_accepts_top_level_keys_of_mixed_types() -> None:
+    storage = MemoryStorage()
+    sd: dict[Any, Any] = {"a": torch.ones(2), 1: torch.full((2,), 2.0), None: 7}
+    refdcp.save(sd, storage_writer=storage.writer("mixed"), no_dist=True)
+    out: dict[Any, Any] = {"a": torch.zeros(2), 1: torch.zeros(2), None: 0}
+    refdcp.load(out, storage_reader=storage.reader("mixed"), no_dist=True)
+    assert list(out) == ["a", 1, None]
+    assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out[1], torch.full((2,), 2.0))
+    assert out[None] == 7

@@ -163,3 +163,32 @@ def test_random_tensors_roundtrip(
     assert snap["v"].dtype == dtype and snap["v"].shape == view.shape
     assert torch.equal(snap["v"], view)
     assert snap["v"].untyped_storage().nbytes() == view.numel() * view.element_size()
+
+
+@pytest.mark.spec("STAGE-17")
+@pytest.mark.parametrize("cached", [False, True])
+def test_local_shards_stage_their_chunks(tmp_path: Path, cached: bool) -> None:
+    import refdcp
+    from refdcp.async_save import async_save
+
+    a, b = torch.arange(6.0).reshape(2, 3), torch.arange(6.0, 9.0).reshape(1, 3)
+    shards = refdcp.LocalShards((4, 3), [((0, 0), a), ((3, 0), b)])
+    stager = CpuStager(cache_staged_state_dict=cached)
+    snap = stager.stage({"w": shards})
+    w = snap["w"]
+    assert isinstance(w, refdcp.LocalShards) and tuple(w.shape) == (4, 3)
+    assert [tuple(off) for off, _ in w.chunks] == [(0, 0), (3, 0)]
+    assert all(t.data_ptr() != s.data_ptr() for (_, t), (_, s) in zip(w.chunks, shards.chunks))
+    a.add_(100)
+    assert torch.equal(w.chunks[0][1], torch.arange(6.0).reshape(2, 3))
+    stager.release(snap)
+    # and through async_save end to end
+    full = refdcp.LocalShards((2, 3), [((0, 0), torch.ones(2, 3))])
+    handle = async_save({"w": full}, checkpoint_id=str(tmp_path), no_dist=True, stager=stager)
+    handle.staged.result(timeout=60)
+    full.chunks[0][1].zero_()
+    handle.result(timeout=60)
+    out = {"w": torch.zeros(2, 3)}
+    refdcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(out["w"], torch.ones(2, 3))
+    stager.close()

@@ -156,8 +156,7 @@ class LoadContext(_Base):
     def step_set_up(self) -> None:
         """Stateful destinations, metadata, planner and reader set-up (LOAD-1, API-2)."""
         sd: dict[str, Any] = {}
-        for key in sorted(self.state_dict):
-            value = self.state_dict[key]
+        for key, value in self.state_dict.items():  # keys of any type, in the caller's order
             sd[key] = value.state_dict() if isinstance(value, Stateful) else value
         self.slots["flat_state_dict"] = sd
         if self.reader is None:

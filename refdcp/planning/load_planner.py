@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import torch
@@ -100,7 +101,10 @@ class DefaultLoadPlanner(LoadPlanner):
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
             if isinstance(md, TensorStorageMetadata):
-                items.extend(read_items_for_chunks(fqn, md, _target_chunks(obj)))
+                targets = _target_chunks(obj)
+                reads = read_items_for_chunks(fqn, md, targets)
+                problems += _coverage_problems(fqn, targets, reads)
+                items.extend(reads)
             else:
                 items.append(
                     ReadItem(
@@ -112,6 +116,8 @@ class DefaultLoadPlanner(LoadPlanner):
                         lengths=torch.Size((0,)),
                     )
                 )
+        if problems:
+            raise LoadPolicyError(problems)
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
@@ -145,3 +151,22 @@ class DefaultLoadPlanner(LoadPlanner):
 
 def _bytes_index(fqn: str) -> MetadataIndex:
     return MetadataIndex(fqn)
+
+
+def _coverage_problems(
+    fqn: str, targets: list[ChunkStorageMetadata], reads: list[ReadItem]
+) -> list[str]:
+    """Saved chunks with holes or overlaps leave a target short or over-read (RESHARD-5)."""
+    covered = [0] * len(targets)
+    for r in reads:
+        covered[r.dest_index.index or 0] += math.prod(r.lengths)
+    out = []
+    for t, got in zip(targets, covered):
+        want = math.prod(t.sizes)
+        if got != want:
+            how = "leave elements unread" if got < want else "overlap"
+            out.append(
+                f"{fqn!r}: the checkpoint's chunks {how} in the target chunk at "
+                f"{list(t.offsets)} sizes {list(t.sizes)} ({got} of {want} elements read)"
+            )
+    return out

@@ -175,7 +175,24 @@ def tensor_checksum(t: torch.Tensor) -> int:
         .view(torch.uint8)
         .numpy()
     )
-    return int(crc32c.crc32c(data.tobytes()))
+    return int(crc32c.crc32c(data.data))
+
+
+def _canonical(obj: Any) -> Any:
+    """An equal value whose pickle does not depend on the process (hash seed, insertion order)."""
+    if isinstance(obj, (set, frozenset)):
+        return (type(obj).__name__, sorted((_canonical(x) for x in obj), key=repr))
+    if isinstance(obj, dict):
+        items = ((_canonical(k), _canonical(v)) for k, v in obj.items())
+        return (type(obj).__name__, sorted(items, key=repr))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [_canonical(x) for x in obj])
+    return obj
+
+
+def object_checksum(obj: Any) -> int:
+    """Checksum of a non-tensor value, equal for equal values on every rank and host (DEDUP-6)."""
+    return int(crc32c.crc32c(pickle.dumps(_canonical(obj), protocol=4)))
 
 
 def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
@@ -184,7 +201,7 @@ def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> di
     for item in items:
         obj = flat[item.index.fqn]
         if item.type == WriteItemType.BYTE_IO:
-            out[item_key(item)] = int(crc32c.crc32c(pickle.dumps(obj, protocol=4)))
+            out[item_key(item)] = object_checksum(obj)
         else:
             out[item_key(item)] = tensor_checksum(resolve_tensor_chunk(obj, item.index))
     return out

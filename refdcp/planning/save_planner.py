@@ -10,7 +10,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from .dedup import dedup_items
@@ -96,7 +101,7 @@ class DefaultSavePlanner(SavePlanner):
         for e in reversed(extras):
             chunkless.update(e.get("chunkless") or {})
         md, problems = build_state_dict_metadata(result.plans, chunkless)
-        problems = result.problems + problems
+        problems = result.problems + problems + _chunkless_disagreements(extras, md)
         if RESERVED_KEY in md:
             problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
         if problems:
@@ -161,3 +166,25 @@ def _extras(plan: SavePlan) -> dict[str, Any]:
         if isinstance(extra, dict):
             return extra
     return {}
+
+
+def _chunkless_disagreements(extras: list[dict[str, Any]], md: dict[str, Any]) -> list[str]:
+    """Ranks holding no chunk of a tensor still state its dtype and shape: check them (META-4)."""
+    problems: list[str] = []
+    claims: dict[str, dict[Any, list[str]]] = {}
+    for rank, e in enumerate(extras):
+        for fqn, (props, size) in (e.get("chunkless") or {}).items():
+            by = claims.setdefault(fqn, {})
+            by.setdefault((props.dtype, tuple(size)), []).append(f"rank {rank}")
+    for fqn, by in claims.items():
+        entry = md.get(fqn)
+        if isinstance(entry, TensorStorageMetadata) and entry.chunks:
+            key = (entry.properties.dtype, tuple(entry.size))
+            by = {**by, key: [*by.get(key, []), "the ranks holding chunks"]}
+        if len(by) > 1:
+            desc = "; ".join(
+                f"{', '.join(who)} say dtype {dt} and global shape {list(sz)}"
+                for (dt, sz), who in by.items()
+            )
+            problems.append(f"{fqn!r}: ranks disagree on dtype or global shape: {desc}")
+    return problems

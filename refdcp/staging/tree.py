@@ -4,7 +4,9 @@ A state dict is a tree of ``dict`` / ``list`` / ``tuple`` containers; its
 leaves are tensors or other objects. Tensors are copied into contiguous CPU
 buffers of their own shape and dtype, so a view stages only its own elements
 (STAGE-7). The same tensor object reached twice stages once and both places
-share the copy (STAGE-8). Other leaves are deep-copied (STAGE-9).
+share the copy (STAGE-8). A ``LocalShards`` stages each of its chunk tensors
+like a container and is rebuilt around the copies (STAGE-17). Other leaves are
+deep-copied (STAGE-9).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
         yield from enumerate(obj)
 
 
+def _local_shards(obj: object) -> bool:
+    from refdcp.planning.local_shards import LocalShards
+
+    return isinstance(obj, LocalShards)
+
+
 def _plain_tensor(obj: object) -> bool:
     return isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter)
 
@@ -78,6 +86,9 @@ def layout_of(state_dict: Any, *, type_check: bool = False) -> Layout:
         if _is_container(obj):
             for key, value in _children(obj):
                 walk(value, (*path, key))
+        elif _local_shards(obj):
+            for i, (_, chunk) in enumerate(obj.chunks):
+                walk(chunk, (*path, ("chunk", i)))
         elif _plain_tensor(obj):
             t: torch.Tensor = obj
             first = seen.get(id(t))
@@ -126,6 +137,11 @@ def build_snapshot(
         nonlocal idx
         if _is_container(obj):
             return _rebuild(obj, [walk(v) for _, v in _children(obj)])
+        if _local_shards(obj):
+            from refdcp.planning.local_shards import LocalShards
+
+            chunks = [(off, walk(t)) for off, t in obj.chunks]
+            return LocalShards(obj.shape, chunks, dtype=obj.dtype)
         if _plain_tensor(obj):
             slot = layout[idx]
             if slot.alias_of is not None:

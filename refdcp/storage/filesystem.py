@@ -102,8 +102,9 @@ class _FileOut:
         self.position = 0
 
     def write(self, parts: Iterable[Any], keepalive: Any = None) -> None:
-        if keepalive is not None:
-            self.keep.append(keepalive)
+        # ``keepalive`` owns the memory of ``parts``; it is recorded after the
+        # loop because a flush inside it clears ``keep`` while later parts of
+        # this very item may still be pending (they must not be freed first).
         for part in parts:
             n = len(part)
             if n == 0:
@@ -117,6 +118,8 @@ class _FileOut:
                 if self.pending_bytes >= _FLUSH_BYTES or len(self.pending) >= _MAX_IOV:
                     self.flush()
             self.position += n
+        if keepalive is not None:
+            self.keep.append(keepalive)
 
     def flush(self) -> None:
         if self.pending:
