@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ def load_backend(target: str) -> Backend:
     module_name, sep, attr = target.partition(":")
     if not sep or not attr:
         raise ValueError(f"expected 'module:attribute', got {target!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: find the author's module (CONF-45)
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -30,10 +33,19 @@ def load_backend(target: str) -> Backend:
 
 
 def conformance_command(
-    target: str, *, json_path: str | None, markdown: bool, examples: int = 10
+    target: str, *, json_path: str | None = None, markdown: bool = False, examples: int = 10
 ) -> int:
-    """Run every check; print a table (markdown with ``markdown=True``); 1 on a failed MUST."""
-    backend = load_backend(target)
+    """Run every check; print a table (markdown with ``markdown=True``).
+
+    Exit status: 0 conforms, 1 a MUST failed (CONF-42), 2 the target could not be loaded (CONF-45).
+    """
+    try:
+        backend = load_backend(target)
+    except Exception as exc:
+        sys.stderr.write(
+            f"refdcp conformance: cannot load {target!r}: {type(exc).__name__}: {exc}\n"
+        )
+        return 2
     results = run_checks(backend, examples=examples)
     if markdown:
         sys.stdout.write(to_markdown(backend.name, results))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from collections.abc import Iterable
+from pathlib import Path
 
 from conformance.backend import Backend
 from conformance.registry import CHECKS, Check, CheckFailed, NotApplicable, Result, context
@@ -12,12 +14,29 @@ from conformance.registry import CHECKS, Check, CheckFailed, NotApplicable, Resu
 __all__ = ["levels", "run_checks", "failed_musts"]
 
 
-def levels() -> dict[str, str]:
-    """Requirement ID -> MUST / SHOULD / ..., read from spec/conformance.md."""
+#: The CONF requirement levels as shipped with the package, for installs without
+#: ``spec/`` (a wheel); a test keeps it equal to spec/conformance.md (CONF-45).
+LEVELS_FILE = Path(__file__).with_name("levels.json")
+
+
+def spec_levels() -> dict[str, str] | None:
+    """Requirement ID -> MUST / SHOULD / ..., read from spec/ when it is there."""
     from refdcp.spec_report import load_spec, repo_root
 
-    reqs, _ = load_spec(repo_root() / "spec")
-    return {rid: r.level for rid, r in reqs.items() if rid.startswith("CONF-")}
+    spec_dir = repo_root() / "spec"
+    if not (spec_dir / "conformance.md").is_file():
+        return None
+    reqs, _ = load_spec(spec_dir)
+    return {rid: r.level for rid, r in sorted(reqs.items()) if rid.startswith("CONF-")}
+
+
+def levels() -> dict[str, str]:
+    """Requirement levels: from spec/ in a checkout, else the copy shipped in the package."""
+    found = spec_levels()
+    if found is not None:
+        return found
+    loaded: dict[str, str] = json.loads(LEVELS_FILE.read_text(encoding="utf-8"))
+    return loaded
 
 
 def all_checks() -> list[Check]:

@@ -10,7 +10,9 @@ checkpoint is durable; the result is its ``Metadata``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -270,7 +272,15 @@ def async_save(
             metadata = fn(staged, **kwargs)
         except BaseException as exc:
             error = exc
-        _finish(stager_, staged, limiter)
+        try:
+            _finish(stager_, staged, limiter)
+        except Exception as exc:  # a failing release() must still resolve the handle (ASYNC-15)
+            # the checkpoint's fate is already decided: report, do not mask it
+            warnings.warn(
+                f"async_save: the stager's release() failed after the save: {exc!r}",
+                RuntimeWarning,
+                stacklevel=1,
+            )
         staged = None
         if error is not None:
             handle.committed.set_exception(error)
@@ -310,7 +320,8 @@ def _submit_serial(channel: object, job: Callable[[], None]) -> None:
                     del _CHANNELS[key]
                     return
                 nxt = pending.pop(0)
-            nxt()
+            with contextlib.suppress(Exception):  # a job resolves its own handle; keep draining
+                nxt()
 
     threading.Thread(target=drain, name="refdcp-async-save", daemon=True).start()
 

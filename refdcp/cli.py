@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("target", help="module:attribute naming the backend object")
     conf.add_argument("--json", dest="json_path", default=None, help="write the JSON report here")
     conf.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    conf.add_argument("--examples", type=int, default=10, help="hypothesis examples per check")
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")
     return p
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         from conformance.cli import conformance_command
 
         code: int = conformance_command(
-            args.target, json_path=args.json_path, markdown=args.markdown
+            args.target, json_path=args.json_path, markdown=args.markdown, examples=args.examples
         )
         return code
     from refdcp.spec_report import main as spec_main

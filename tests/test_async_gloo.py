@@ -52,6 +52,15 @@ def _process_executor_rank(rank: int, world: int, root: str) -> int:
     multiprocessing.current_process().daemon = False
     stager = CpuStager(cache_staged_state_dict=True, share_memory=True, pin_memory=False)
     try:
+        # a rank-local snapshot first: its worker must not serve the collective saves (ASYNC-14)
+        local = async_save(
+            {"local": torch.ones(1)},
+            checkpoint_id=f"{root}/local{rank}",
+            no_dist=True,
+            executor="process",
+            limiter=InFlightLimiter(1),
+        )
+        local.result(timeout=120)
         t = torch.full((8,), float(rank))
         for i in range(2):
             h = async_save(
@@ -93,7 +102,7 @@ def test_interleaved_with_training_collectives(tmp_path: Path) -> None:
         assert bool((out["p1"] == 1.0 + 2.0 * (it + 1)).all())
 
 
-@pytest.mark.spec("ASYNC-7", "ASYNC-6")
+@pytest.mark.spec("ASYNC-7", "ASYNC-6", "ASYNC-14")
 @pytest.mark.timeout(200)
 def test_process_executor_in_gloo_world(tmp_path: Path) -> None:
     from refdcp.api import load

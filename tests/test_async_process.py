@@ -83,3 +83,68 @@ def test_process_executor_rejects_in_process_comm(tmp_path: Path) -> None:
         async_save(
             {"w": torch.zeros(1)}, checkpoint_id=str(tmp_path), executor="process", comm=Dummy()
         )  # type: ignore[arg-type]
+
+
+class LockedWriter(FileSystemWriter):
+    """Holds a lock, so it cannot be pickled to the worker process."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        import threading
+
+        self.lock = threading.Lock()
+
+
+@pytest.mark.spec("ASYNC-15")
+@pytest.mark.timeout(180)
+def test_unpicklable_writer_fails_committed_and_worker_stays_usable(tmp_path: Path) -> None:
+    limiter = InFlightLimiter(1)
+    try:
+        bad = async_save(
+            {"w": torch.ones(3)},
+            storage_writer=LockedWriter(tmp_path / "a"),
+            no_dist=True,
+            executor="process",
+            limiter=limiter,
+        )
+        exc = bad.committed.exception(timeout=120)
+        assert isinstance(exc, TypeError) and "could not send the save" in str(exc)
+        good = async_save(
+            {"w": torch.full((3,), 2.0)},
+            checkpoint_id=str(tmp_path / "b"),
+            no_dist=True,
+            executor="process",
+            limiter=limiter,
+        )
+        good.result(timeout=120)
+        out = {"w": torch.zeros(3)}
+        load(out, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+        assert torch.equal(out["w"], torch.full((3,), 2.0))
+    finally:
+        shutdown_worker()
+
+
+class _BadRelease(CpuStager):
+    def release(self, staged: object) -> None:
+        raise RuntimeError("release failed")
+
+
+@pytest.mark.spec("ASYNC-15")
+def test_failing_release_still_resolves_and_later_saves_run(tmp_path: Path) -> None:
+    with pytest.warns(RuntimeWarning, match="release"):
+        first = async_save(
+            {"w": torch.ones(2)},
+            checkpoint_id=str(tmp_path / "a"),
+            no_dist=True,
+            stager=_BadRelease(),
+            limiter=InFlightLimiter(4),
+        )
+        md = first.result(timeout=60)
+    assert "w" in md.state_dict_metadata
+    second = async_save(
+        {"w": torch.ones(2)},
+        checkpoint_id=str(tmp_path / "b"),
+        no_dist=True,
+        limiter=InFlightLimiter(4),
+    )
+    assert "w" in second.result(timeout=60).state_dict_metadata

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 from typing import Any
@@ -84,6 +85,14 @@ class SwallowingWriter(DictWriter):
         return fut
 
 
+class SwallowFinishWriter(DictWriter):
+    """finish() hides its own failure: the save "succeeds" and nothing is committed."""
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with contextlib.suppress(Exception):  # the fault under test
+            super().finish(metadata, results)
+
+
 class InPlaceWriter(DictWriter):
     """Writes data straight into the committed checkpoint: a failed save leaves it half-written."""
 
@@ -147,11 +156,14 @@ CASES = [
     (LossyWriter, "CONF-10", ("CONF-10", "CONF-12")),
     (EarlyCommitWriter, "CONF-21", ("CONF-21", "CONF-23")),
     (SwallowingWriter, "CONF-22", ("CONF-22",)),
+    (SwallowFinishWriter, "CONF-24", ("CONF-24",)),
     (InPlaceWriter, "CONF-29", ("CONF-25", "CONF-29")),
 ]
 
 
-@pytest.mark.spec("CONF-40", "CONF-8", "CONF-10", "CONF-21", "CONF-22", "CONF-29", "CONF-42")
+@pytest.mark.spec(
+    "CONF-40", "CONF-8", "CONF-10", "CONF-21", "CONF-22", "CONF-24", "CONF-29", "CONF-42"
+)
 @pytest.mark.parametrize(
     ("writer_cls", "named", "checked"), CASES, ids=[c[0].__name__ for c in CASES]
 )

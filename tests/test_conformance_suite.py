@@ -142,3 +142,41 @@ def test_cli_exits_nonzero_on_a_failed_must(
         == 1
     )
     assert "1 failed MUST" in capsys.readouterr().out
+
+
+@pytest.mark.spec("CONF-45")
+def test_shipped_levels_equal_the_spec_and_are_used_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+
+    from conformance import runner
+
+    shipped = json.loads(runner.LEVELS_FILE.read_text(encoding="utf-8"))
+    assert shipped == runner.spec_levels(), (
+        "conformance/levels.json is stale: regenerate it from spec/conformance.md"
+    )
+    monkeypatch.setattr(runner, "spec_levels", lambda: None)  # as in an installed wheel
+    assert runner.levels() == shipped
+    assert shipped["CONF-25"] == "SHOULD" and shipped["CONF-10"] == "MUST"
+
+
+@pytest.mark.spec("CONF-45")
+def test_cli_imports_backends_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from conformance.cli import conformance_command
+
+    (tmp_path / "my_author_backend.py").write_text(
+        "from conformance.examples.dict_backend import DictBackend\nbackend = DictBackend()\n",
+        encoding="utf-8",
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    from conformance.cli import load_backend
+
+    assert load_backend("my_author_backend:backend").name
+    assert conformance_command("no_such_module_xyz:backend") == 2
+    assert "cannot load" in capsys.readouterr().err

@@ -99,6 +99,11 @@ def finish_failure(ctx: Context) -> None:
     loc = ctx.location()
     err = _run_fault(ctx, loc, Fault("finish:inside", 0), 240)
     if err is None:
+        if not committed(ctx, loc):
+            raise CheckFailed(
+                "CONF-24: finish returned normally although it could not store the metadata, "
+                "and nothing is loadable: finish swallowed its own error"
+            )
         raise NotApplicable("finish does not serialise the Metadata object, so nothing to inject")
     if committed(ctx, loc):
         raise CheckFailed(f"CONF-24: a checkpoint is loadable after finish raised {err!r}")

@@ -143,12 +143,31 @@ class _Worker:
                 fut.set_exception(RuntimeError("the checkpoint worker process has died"))
                 continue
             try:
-                self._conn.send(req)
+                self._conn.send(req)  # pickles first: a pickling error sends nothing
+            except (EOFError, OSError) as exc:
+                self.alive = False
+                fut.set_exception(RuntimeError(f"the checkpoint worker process died: {exc!r}"))
+                continue
+            except Exception as exc:
+                err = TypeError(
+                    "async_save(executor='process') could not send the save to the worker "
+                    f"process (the writer, planner and staged state must pickle): {exc!r}"
+                )
+                err.__cause__ = exc
+                fut.set_exception(err)
+                continue
+            finally:
                 del req, item
+            try:
                 kind, value = self._conn.recv()
             except (EOFError, OSError) as exc:
                 self.alive = False
                 fut.set_exception(RuntimeError(f"the checkpoint worker process died: {exc!r}"))
+                continue
+            except Exception as exc:  # the reply arrived whole but did not unpickle here
+                fut.set_exception(
+                    RuntimeError(f"the worker's reply could not be unpickled: {exc!r}")
+                )
                 continue
             if kind == "ok":
                 fut.set_result(value)
@@ -166,8 +185,18 @@ class _Worker:
         self.alive = False
 
 
-_WORKER: _Worker | None = None
+#: One worker per (distributed?, process group): a worker set up for one mode
+#: must never run a save of another (ASYNC-14).
+_WORKERS: dict[tuple[bool, Any], _Worker] = {}
 _WORKER_LOCK = threading.Lock()
+
+
+def _group_key(process_group: Any, distributed: bool) -> tuple[bool, Any]:
+    if not distributed:
+        return (False, None)
+    if process_group is None:
+        return (True, "default")
+    return (True, tuple(dist.get_process_group_ranks(process_group)))
 
 
 def _dist_info(process_group: Any, timeout_s: float) -> _DistInfo:
@@ -190,21 +219,22 @@ def _dist_info(process_group: Any, timeout_s: float) -> _DistInfo:
 
 
 def _get_worker(process_group: Any, distributed: bool, timeout_s: float) -> _Worker:
-    global _WORKER
+    key = _group_key(process_group, distributed)
     with _WORKER_LOCK:
-        if _WORKER is None or not _WORKER.alive:
+        worker = _WORKERS.get(key)
+        if worker is None or not worker.alive:
             info = _dist_info(process_group, timeout_s) if distributed else None
-            _WORKER = _Worker(info, start_timeout=timeout_s)
-        return _WORKER
+            worker = _WORKERS[key] = _Worker(info, start_timeout=timeout_s)
+        return worker
 
 
 def shutdown_worker() -> None:
-    """Stop the worker process, if one was started (also run at interpreter exit)."""
-    global _WORKER
+    """Stop every worker process that was started (also run at interpreter exit)."""
     with _WORKER_LOCK:
-        if _WORKER is not None:
-            _WORKER.shutdown()
-            _WORKER = None
+        workers = list(_WORKERS.values())
+        _WORKERS.clear()
+    for worker in workers:
+        worker.shutdown()
 
 
 atexit.register(shutdown_worker)
