@@ -11,12 +11,17 @@ __all__ = ["verify_command"]
 
 
 def verify_command(path: str, *, json: bool) -> int:
-    """Verify ``path``; print a report; return 0 when intact, 1 when damaged (INTEG-7)."""
+    """Verify ``path``; print a report (INTEG-7).
+
+    Returns 0 when intact, 1 when damaged, 3 when no problem was found but no
+    item carried a checksum (a torch-written checkpoint): nothing was verified.
+    """
     report = verify_checkpoint(path)
+    unverified = report.ok and report.items_checked == 0 and report.items_without_checksum > 0
     if json:
         print(json_module.dumps(report.to_json(), indent=2))
     else:
-        status = "OK" if report.ok else "CORRUPT"
+        status = "UNVERIFIED" if unverified else "OK" if report.ok else "CORRUPT"
         print(
             f"{status}: {path}: {report.items_checked} item(s) verified, "
             f"{report.items_without_checksum} without checksum, {len(report.problems)} problem(s)"
@@ -24,4 +29,7 @@ def verify_command(path: str, *, json: bool) -> int:
         for p in report.problems:
             where = f"fqn={p.fqn!r} " if p.fqn is not None else ""
             print(f"  {where}file={p.file!r} offset={p.offset}: {p.message}", file=sys.stdout)
+    if unverified:
+        print("  no item has a checksum (written by torch?): only the layout was checked")
+        return 3
     return 0 if report.ok else 1

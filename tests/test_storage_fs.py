@@ -361,3 +361,35 @@ def test_temporary_contiguous_copies_survive_batched_writes(tmp_path: Path, thre
     out = {k: torch.zeros(4, 4) for k in sd}
     refdcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)  # verify off: bytes must be right
     assert [k for k in sd if not torch.equal(out[k], sd[k])] == []
+
+
+@pytest.mark.spec("STORE-16")
+def test_resharded_reads_fetch_only_the_rows_they_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import refdcp
+    from refdcp.comm import FakeWorld
+    from refdcp.storage import filesystem
+
+    full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    refdcp.save({"w": full}, storage_writer=FileSystemWriter(tmp_path, sync_files=False), no_dist=True)
+    read: list[int] = []
+    real = filesystem._pread_into
+
+    def counting(fd: int, view: memoryview, offset: int) -> int:
+        read.append(len(view))
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(filesystem, "_pread_into", counting)
+
+    def rank(comm: Any) -> torch.Tensor:
+        rows = torch.zeros(16, 8)  # rank r loads rows [16r, 16r+16) x columns [0, 8)
+        shards = refdcp.LocalShards((64, 16), [((16 * comm.rank, 0), rows)])
+        refdcp.load({"w": shards}, checkpoint_id=str(tmp_path), comm=comm)
+        return rows
+
+    got = FakeWorld(4).run(rank)
+    for r, rows in enumerate(got):
+        assert torch.equal(rows, full[16 * r : 16 * r + 16, :8])
+    # each rank read its 16 full-width rows (16 x 16 x 4 bytes), not the 4 KiB chunk
+    assert sorted(read) == [16 * 16 * 4] * 4

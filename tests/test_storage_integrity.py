@@ -191,6 +191,10 @@ def test_verify_command(
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["problems"][0]["file"] == name
     assert {"fqn", "file", "offset", "message"} <= set(report["problems"][0])
+    torch_dir = tmp_path / "torch_written"
+    dcp.save(_sd(), storage_writer=dcp.FileSystemWriter(torch_dir), no_dist=True)
+    assert verify_command(str(torch_dir), json=False) == 3  # nothing could be verified
+    assert "UNVERIFIED" in capsys.readouterr().out
 
 
 class _Payload:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -465,9 +466,14 @@ class FileSystemReader(StorageReader):
             target.copy_(stored)
             planner.commit_tensor(req, target)
             return
-        stored = torch.empty(sizes, dtype=dtype)
-        _read_exact(fd, raw_view(stored), start, fqn, relative_path)
-        copy_into_destination(planner, req, narrow(stored, req.storage_offsets, req.lengths))
+        # a resharded read: fetch only the rows of the saved chunk it overlaps (row-major
+        # storage makes them one contiguous byte range), then narrow the other dims (STORE-16)
+        first, count = int(req.storage_offsets[0]), int(req.lengths[0])
+        row_bytes = math.prod(sizes[1:]) * dtype.itemsize
+        rows = torch.empty((count, *sizes[1:]), dtype=dtype)
+        _read_exact(fd, raw_view(rows), start + first * row_bytes, fqn, relative_path)
+        offsets = torch.Size((0, *req.storage_offsets[1:]))
+        copy_into_destination(planner, req, narrow(rows, offsets, req.lengths))
 
     @property
     def checkpoint_id(self) -> str | os.PathLike[str]:
