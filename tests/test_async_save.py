@@ -241,3 +241,34 @@ def test_background_failure_on_every_rank_then_next_save_succeeds(tmp_path: Path
     out = {"r0": torch.empty(4), "r1": torch.empty(4), "shared": torch.empty(3)}
     load(out, checkpoint_id=good, no_dist=True)
     assert out["r1"].tolist() == [1.0] * 4
+
+
+@pytest.mark.spec("ASYNC-16")
+def test_fresh_snapshot_is_freed_without_the_garbage_collector(tmp_path: Path) -> None:
+    import gc
+    import time
+
+    marker = 123_457  # an unusual numel to find the copies by
+    src = {"a": torch.ones(marker), "nested": {"b": [torch.zeros(marker)]}}
+    gc.collect()
+    gc.disable()
+    try:
+        handle = async_save(src, checkpoint_id=str(tmp_path), no_dist=True)
+        handle.result(timeout=60)
+        del handle
+        deadline = time.monotonic() + 5
+        while True:
+            copies = [
+                o
+                for o in gc.get_objects()
+                if isinstance(o, torch.Tensor)
+                and o.numel() == marker
+                and o is not src["a"]
+                and o is not src["nested"]["b"][0]
+            ]
+            if not copies or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # the background thread may still be unwinding
+        assert copies == []
+    finally:
+        gc.enable()

@@ -100,42 +100,42 @@ def _kept_key(key: object) -> object:
 
 def flatten_state_dict(state_dict: Mapping[Any, Any]) -> Flattened:
     """Flatten ``state_dict`` (FLAT-1..5); two paths with one FQN raise ValueError naming both."""
-    out = Flattened()
-    items, paths, rich = out.items, out.paths, out.rich
-
-    def visit(tpath: TorchPath, rpath: RichPath, value: object) -> None:
-        if isinstance(value, Mapping):
-            if not value:
-                out.empties.append(rpath)
-                return
-            for k, v in value.items():
-                visit((*tpath, str(k)), (*rpath, ("d", _kept_key(k))), v)
-            return
-        if isinstance(value, list) and _list_descends(value):
-            for i, v in enumerate(value):
-                visit((*tpath, i), (*rpath, ("l", i)), v)
-            return
-        if isinstance(value, tuple) and _tuple_descends(value):
-            for i, v in enumerate(value):
-                visit((*tpath, i), (*rpath, ("t", i)), v)
-            return
-        fqn = ".".join(map(str, tpath))
-        if fqn in items:
-            raise ValueError(
-                f"state_dict paths {_show(rich[fqn])} and {_show(rpath)} both flatten "
-                f"to the FQN {fqn!r}"
-            )
-        if fqn == RESERVED_KEY:
-            raise ValueError(f"the FQN {fqn!r} is reserved by refdcp's planner")
-        items[fqn] = value
-        paths[fqn] = tpath
-        rich[fqn] = rpath
-
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"a state_dict must be a mapping, got {type(state_dict).__name__}")
+    out = Flattened()
     for key, value in state_dict.items():
-        visit((str(key),), (("d", _kept_key(key)),), value)
+        _visit(out, (str(key),), (("d", _kept_key(key)),), value)
     return out
+
+
+def _visit(out: Flattened, tpath: TorchPath, rpath: RichPath, value: object) -> None:
+    """One step of :func:`flatten_state_dict` (a module function: no closure cycle)."""
+    if isinstance(value, Mapping):
+        if not value:
+            out.empties.append(rpath)
+            return
+        for k, v in value.items():
+            _visit(out, (*tpath, str(k)), (*rpath, ("d", _kept_key(k))), v)
+        return
+    if isinstance(value, list) and _list_descends(value):
+        for i, v in enumerate(value):
+            _visit(out, (*tpath, i), (*rpath, ("l", i)), v)
+        return
+    if isinstance(value, tuple) and _tuple_descends(value):
+        for i, v in enumerate(value):
+            _visit(out, (*tpath, i), (*rpath, ("t", i)), v)
+        return
+    fqn = ".".join(map(str, tpath))
+    if fqn in out.items:
+        raise ValueError(
+            f"state_dict paths {_show(out.rich[fqn])} and {_show(rpath)} both flatten "
+            f"to the FQN {fqn!r}"
+        )
+    if fqn == RESERVED_KEY:
+        raise ValueError(f"the FQN {fqn!r} is reserved by refdcp's planner")
+    out.items[fqn] = value
+    out.paths[fqn] = tpath
+    out.rich[fqn] = rpath
 
 
 def _show(rpath: RichPath) -> str:
@@ -211,27 +211,27 @@ def unflatten_state_dict(
 
 def set_by_rich_path(root: dict[Any, Any], path: RichPath, value: Any) -> None:
     """Store ``value`` at ``path`` inside ``root``, rebuilding tuples on the way (FLAT-4)."""
+    _put(root, path, value)
 
-    def put(container: Any, steps: RichPath) -> Any:
-        (kind, key), rest = steps[0], steps[1:]
-        if rest:
-            if kind == "d":
-                child = container.get(key) if isinstance(container, Mapping) else None
-            else:
-                child = container[key] if key < len(container) else None
-            if child is None:
-                child = {} if rest[0][0] == "d" else ([] if rest[0][0] == "l" else ())
-            new_child = put(child, rest)
+
+def _put(container: Any, steps: RichPath, value: Any) -> Any:
+    (kind, key), rest = steps[0], steps[1:]
+    if rest:
+        if kind == "d":
+            child = container.get(key) if isinstance(container, Mapping) else None
         else:
-            new_child = value
-        if kind == "t" or isinstance(container, tuple):
-            seq = list(container)
-            seq.extend([None] * (key + 1 - len(seq)))
-            seq[key] = new_child
-            return tuple(seq)
-        if kind == "l":
-            container.extend([None] * (key + 1 - len(container)))
-        container[key] = new_child
-        return container
-
-    put(root, path)
+            child = container[key] if key < len(container) else None
+        if child is None:
+            child = {} if rest[0][0] == "d" else ([] if rest[0][0] == "l" else ())
+        new_child = _put(child, rest, value)
+    else:
+        new_child = value
+    if kind == "t" or isinstance(container, tuple):
+        seq = list(container)
+        seq.extend([None] * (key + 1 - len(seq)))
+        seq[key] = new_child
+        return tuple(seq)
+    if kind == "l":
+        container.extend([None] * (key + 1 - len(container)))
+    container[key] = new_child
+    return container

@@ -79,30 +79,37 @@ def layout_of(state_dict: Any, *, type_check: bool = False) -> Layout:
     With ``type_check=True`` a leaf that is neither a plain tensor nor one of
     :data:`PLAIN_LEAF_TYPES` raises TypeError naming its path (STAGE-10).
     """
-    slots: list[Slot] = []
-    seen: dict[int, int] = {}
+    walker = _LayoutWalk(type_check)
+    walker.walk(state_dict, ())
+    return tuple(walker.slots)
 
-    def walk(obj: Any, path: tuple[Any, ...]) -> None:
+
+class _LayoutWalk:
+    """Recursion through bound methods, not a self-referencing closure: no reference cycle."""
+
+    def __init__(self, type_check: bool) -> None:
+        self.type_check = type_check
+        self.slots: list[Slot] = []
+        self.seen: dict[int, int] = {}
+
+    def walk(self, obj: Any, path: tuple[Any, ...]) -> None:
         if _is_container(obj):
             for key, value in _children(obj):
-                walk(value, (*path, key))
+                self.walk(value, (*path, key))
         elif _local_shards(obj):
             for i, (_, chunk) in enumerate(obj.chunks):
-                walk(chunk, (*path, ("chunk", i)))
+                self.walk(chunk, (*path, ("chunk", i)))
         elif _plain_tensor(obj):
             t: torch.Tensor = obj
-            first = seen.get(id(t))
+            first = self.seen.get(id(t))
             if first is None:
-                seen[id(t)] = len(slots)
-            slots.append(Slot(path, tuple(t.shape), t.dtype, first))
-        elif type_check and not isinstance(obj, PLAIN_LEAF_TYPES):
+                self.seen[id(t)] = len(self.slots)
+            self.slots.append(Slot(path, tuple(t.shape), t.dtype, first))
+        elif self.type_check and not isinstance(obj, PLAIN_LEAF_TYPES):
             raise TypeError(
                 f"staging: value at {'.'.join(map(str, path)) or '<root>'} has type "
                 f"{type(obj).__name__}, which type_check=True does not allow (STAGE-10)"
             )
-
-    walk(state_dict, ())
-    return tuple(slots)
 
 
 def _rebuild(obj: Any, values: list[Any]) -> Any:
@@ -130,31 +137,42 @@ def build_snapshot(
     reuses its first occurrence's buffer). ``copy_into(dst, src)`` does the copy.
     Non-tensor leaves are deep-copied (STAGE-9).
     """
-    idx = 0
-    memo: dict[int, Any] = {}
+    walker = _SnapshotWalk(layout, buffers, copy_into)
+    out = walker.walk(state_dict)
+    if walker.idx != len(layout):
+        raise ValueError("staging: the state dict changed shape while it was being staged")
+    return out
 
-    def walk(obj: Any) -> Any:
-        nonlocal idx
+
+class _SnapshotWalk:
+    """Builds the snapshot; bound-method recursion leaves no cycle holding the buffers (ASYNC-16)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        buffers: list[torch.Tensor | None],
+        copy_into: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        self.layout, self.buffers, self.copy_into = layout, buffers, copy_into
+        self.idx = 0
+        self.memo: dict[int, Any] = {}
+
+    def walk(self, obj: Any) -> Any:
         if _is_container(obj):
-            return _rebuild(obj, [walk(v) for _, v in _children(obj)])
+            return _rebuild(obj, [self.walk(v) for _, v in _children(obj)])
         if _local_shards(obj):
             from refdcp.planning.local_shards import LocalShards
 
-            chunks = [(off, walk(t)) for off, t in obj.chunks]
+            chunks = [(off, self.walk(t)) for off, t in obj.chunks]
             return LocalShards(obj.shape, chunks, dtype=obj.dtype)
         if _plain_tensor(obj):
-            slot = layout[idx]
+            slot = self.layout[self.idx]
             if slot.alias_of is not None:
-                dst = buffers[slot.alias_of]
+                dst = self.buffers[slot.alias_of]
             else:
-                dst = buffers[idx]
+                dst = self.buffers[self.idx]
                 assert dst is not None
-                copy_into(dst, obj)
-            idx += 1
+                self.copy_into(dst, obj)
+            self.idx += 1
             return dst
-        return copy.deepcopy(obj, memo)
-
-    out = walk(state_dict)
-    if idx != len(layout):
-        raise ValueError("staging: the state dict changed shape while it was being staged")
-    return out
+        return copy.deepcopy(obj, self.memo)
