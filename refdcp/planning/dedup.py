@@ -8,11 +8,11 @@ per-rank filtering then runs in C (``itertools.compress``) (DEDUP-8).
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import attrgetter
+from operator import attrgetter, ne, not_
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -23,6 +23,7 @@ __all__ = ["DedupResult", "dedup_items"]
 
 _fqn = attrgetter("index.fqn")
 _offset = attrgetter("index.offset")
+_td = attrgetter("tensor_data")
 
 
 @dataclass
@@ -81,36 +82,47 @@ def dedup_items(
         if len(members_of[c]) == 1 and shared:
             owner.update(zip(keys, repeat(members_of[c][0])))
     # 3. replicated keys: held by a class of several ranks, or by several classes
-    holders: dict[ItemKey, list[int]] = {}
+    # first holder of each replicated key and its item, recorded in C (dict.setdefault)
+    first_class: dict[ItemKey, int] = {}
     rep_item: dict[ItemKey, WriteItem] = {}
+    ncls = len(keys_of)
     for c, keys in enumerate(keys_of):
         items = plans[reps[c]]
         if len(members_of[c]) > 1:
-            pairs: Iterable[tuple[ItemKey, WriteItem]] = zip(keys, items)
+            sel_keys: Iterable[ItemKey] = keys
+            sel_items: Iterable[WriteItem] = items
         elif shared:
-            pairs = compress(zip(keys, items), map(shared.__contains__, keys))
+            mask = list(map(shared.__contains__, keys))
+            sel_keys, sel_items = list(compress(keys, mask)), list(compress(items, mask))
         else:
             continue
-        for k, item in pairs:
-            lst = holders.get(k)
-            if lst is None:
-                holders[k] = [c]
-                rep_item[k] = item
-            else:
-                lst.append(c)
+        deque(map(first_class.setdefault, sel_keys, repeat(c)), maxlen=0)
+        deque(map(rep_item.setdefault, sel_keys, sel_items), maxlen=0)
+    # classes of keys held by some but not all classes (rare), gathered per key
+    partial = {k for k, n in counts.items() if 1 < n < ncls} if shared else set()
+    some_classes: dict[ItemKey, list[int]] = {}
+    if partial:
+        for c, keys in enumerate(keys_of):
+            for k in compress(keys, map(partial.__contains__, keys)):
+                some_classes.setdefault(k, []).append(c)
+    all_classes = list(range(ncls))
     problems: list[str] = []
     item_of: dict[int, dict[ItemKey, WriteItem]] = {}
     replicated: list[tuple[int, ItemKey, list[int], WriteItem]] = []
-    for k, cls in holders.items():
-        item = rep_item[k]
-        if len(cls) == 1:
-            ranks = members_of[cls[0]]
+    suspects = _suspects(keys_of, [plans[r] for r in reps], [sums[r] for r in reps], shared)
+    every_rank = sorted(r for members in members_of for r in members)
+    for k, item in rep_item.items():
+        n = counts[k]
+        if n == 1:
+            ranks = members_of[first_class[k]]
         else:
-            for c in cls:
-                if c not in item_of:
-                    item_of[c] = dict(zip(keys_of[c], plans[reps[c]]))
-            problems.extend(_disagreements(k, cls, item_of, members_of, reps, sums))
-            ranks = sorted(r for c in cls for r in members_of[c])
+            cls = all_classes if n == ncls else some_classes[k]
+            if k in suspects:  # the worded check runs only where the screen found a difference
+                for c in cls:
+                    if c not in item_of:
+                        item_of[c] = dict(zip(keys_of[c], plans[reps[c]]))
+                problems.extend(_disagreements(k, cls, item_of, members_of, reps, sums))
+            ranks = every_rank if n == ncls else sorted(r for c in cls for r in members_of[c])
         replicated.append((chunk_nbytes(item), k, ranks, item))
     # 4. largest-first greedy over replicated keys, after the unreplicated bytes
     loads = [0] * world
@@ -118,10 +130,8 @@ def dedup_items(
         for c, keys in enumerate(keys_of):
             if len(members_of[c]) == 1:
                 items = plans[reps[c]]
-                replicas = compress(items, map(shared.__contains__, keys)) if shared else items
-                loads[members_of[c][0]] = sum(map(chunk_nbytes, items)) - (
-                    sum(map(chunk_nbytes, replicas)) if shared else 0
-                )
+                own = compress(items, map(not_, map(shared.__contains__, keys))) if shared else ()
+                loads[members_of[c][0]] = sum(map(chunk_nbytes, own))
     replicated.sort(key=lambda e: -e[0])
     load_of = loads.__getitem__
     heap = [(load, r) for r, load in enumerate(loads)]  # least loaded of all ranks, lazily
@@ -165,6 +175,55 @@ def dedup_items(
             if r in mine:
                 out[r].append(item)
     return DedupResult(plans=out, problems=problems, class_reps=reps)
+
+
+_sig_tensor = attrgetter(
+    "type", "tensor_data.chunk.sizes", "tensor_data.properties.dtype", "tensor_data.size"
+)
+
+
+def _fast_signature(item: WriteItem) -> tuple[Any, ...]:
+    if item.tensor_data is None:
+        return (item.type,)
+    sig: tuple[Any, ...] = _sig_tensor(item)
+    return sig
+
+
+def _suspects(
+    keys_of: Sequence[Sequence[ItemKey]],
+    items_of: Sequence[Sequence[WriteItem]],
+    sums_of: Sequence[Mapping[Any, int] | None],
+    shared: set[ItemKey],
+) -> set[ItemKey]:
+    """Keys whose replicas may disagree in kind, dtype, shape or checksum: a C-level screen.
+
+    Each class's signatures (and checksums) are compared with the first class
+    holding the key, through ``dict.setdefault`` and ``operator.ne`` mapped over
+    whole plans, so agreeing replicas cost no Python-level work per item (DEDUP-8).
+    """
+    if len(keys_of) < 2:
+        return set()
+    first_sig: dict[ItemKey, Any] = {}
+    first_sum: dict[ItemKey, int] = {}
+    out: set[ItemKey] = set()
+    for keys, items, sums in zip(keys_of, items_of, sums_of):
+        if shared:
+            mask = list(map(shared.__contains__, keys))
+            keys = list(compress(keys, mask))
+            items = list(compress(items, mask))
+        if all(map(_td, items)):  # all tensors: the signature is one C-level attrgetter
+            sigs = list(map(_sig_tensor, items))
+        else:
+            sigs = list(map(_fast_signature, items))
+        seen = map(first_sig.setdefault, keys, sigs)
+        out.update(compress(keys, map(ne, seen, sigs)))
+        if sums is not None:
+            vals = list(map(sums.get, keys))
+            known = [v is not None for v in vals]
+            ks = list(compress(keys, known))
+            vs: list[int] = [v for v in vals if v is not None]
+            out.update(compress(ks, map(ne, map(first_sum.setdefault, ks, vs), vs)))
+    return out
 
 
 def _disagreements(
