@@ -390,3 +390,24 @@ def test_load_accepts_top_level_keys_of_mixed_types() -> None:
     assert list(out) == ["a", 1, None]
     assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out[1], torch.full((2,), 2.0))
     assert out[None] == 7
+
+
+@pytest.mark.spec("PROTO-7", "ERR-1")
+@pytest.mark.timeout(60)
+def test_a_fault_hook_that_keeps_raising_ends_in_an_error() -> None:
+    storage = MemoryStorage()
+
+    def always(index: int, action: Any) -> None:
+        if index >= 2:
+            raise RuntimeError("injected, every time")
+
+    def rank(comm: Any) -> Any:
+        hook = always if comm.rank == 1 else None
+        return refdcp.save(
+            state(comm.rank), storage_writer=storage.writer("spin"), comm=comm, fault=hook
+        )
+
+    out = FakeWorld(3, timeout=20).run(rank, return_exceptions=True)
+    assert all(isinstance(e, CheckpointError) for e in out)
+    assert all(list(e.rank_failures) == [1] and not e.committed for e in out)
+    assert not storage.exists("spin")

@@ -113,7 +113,7 @@ def drive(
     state, action = table.start(comm.rank, coordinator)
     index = 0
     while True:
-        if fault is not None:
+        if fault is not None and state.failure is None:  # a failed rank only reports (PROTO-7)
             try:
                 fault(index, action)
             except Exception as exc:
