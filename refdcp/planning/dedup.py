@@ -201,16 +201,15 @@ def _suspects(
     holding the key, through ``dict.setdefault`` and ``operator.ne`` mapped over
     whole plans, so agreeing replicas cost no Python-level work per item (DEDUP-8).
     """
-    if len(keys_of) < 2:
+    if len(keys_of) < 2 or not shared:  # no key is held by two classes: nothing to compare
         return set()
     first_sig: dict[ItemKey, Any] = {}
     first_sum: dict[ItemKey, int] = {}
     out: set[ItemKey] = set()
     for keys, items, sums in zip(keys_of, items_of, sums_of):
-        if shared:
-            mask = list(map(shared.__contains__, keys))
-            keys = list(compress(keys, mask))
-            items = list(compress(items, mask))
+        mask = list(map(shared.__contains__, keys))
+        keys = list(compress(keys, mask))
+        items = list(compress(items, mask))
         if all(map(_td, items)):  # all tensors: the signature is one C-level attrgetter
             sigs = list(map(_sig_tensor, items))
         else:
