@@ -140,7 +140,22 @@ class _FileOut:
                 views[0] = views[0][written:]
 
 
-class FileSystemWriter(StorageWriter):
+class _AtPath:
+    """A checkpoint location on the local filesystem, accepted as torch's are (STORE-10)."""
+
+    path: Path
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Same rule as torch's FileSystemWriter and FileSystemReader (STORE-10)."""
+        return bool(FileSystem.validate_checkpoint_id(checkpoint_id))
+
+
+class FileSystemWriter(_AtPath, StorageWriter):
     """A torch ``StorageWriter`` writing torch's layout with refdcp's commit (STORE-1..STORE-9).
 
     Data files get names unique to this save (``__{rank}_{n}.{token}.distcp``);
@@ -202,17 +217,10 @@ class FileSystemWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [
-            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
-            if p.storage_data is None
-            else p
-            for i, p in enumerate(plans)
-        ]
+        return layout.assign_rank_prefixes(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = (
-            plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else "__0_"
-        )
+        prefix = layout.plan_prefix(plan)
         if self.single_file_per_rank:
             groups = split_into_buckets(self.thread_count, list(plan.items))
         else:
@@ -324,17 +332,8 @@ class FileSystemWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self.path
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Same rule as torch's FileSystemWriter (STORE-10)."""
-        return bool(FileSystem.validate_checkpoint_id(checkpoint_id))
-
-
-class FileSystemReader(StorageReader):
+class FileSystemReader(_AtPath, StorageReader):
     """A torch ``StorageReader`` for torch's layout, with safe metadata and fast reads.
 
     Reads refdcp and torch checkpoints (FMT-5); ``set_verify(True)`` checks
@@ -474,15 +473,6 @@ class FileSystemReader(StorageReader):
         _read_exact(fd, raw_view(rows), start + first * row_bytes, fqn, relative_path)
         offsets = torch.Size((0, *req.storage_offsets[1:]))
         copy_into_destination(planner, req, narrow(rows, offsets, req.lengths))
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Same rule as torch's FileSystemReader (STORE-10)."""
-        return bool(FileSystem.validate_checkpoint_id(checkpoint_id))
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

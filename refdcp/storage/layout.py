@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.planner import SavePlan
+
 __all__ = [
     "METADATA_NAME",
+    "assign_rank_prefixes",
+    "plan_prefix",
     "data_file_name",
     "is_data_file",
     "is_metadata_temp",
@@ -46,3 +52,19 @@ def is_data_file(name: str) -> bool:
 
 def is_metadata_temp(name: str) -> bool:
     return _TEMP.match(name) is not None
+
+
+def assign_rank_prefixes(plans: list[SavePlan]) -> list[SavePlan]:
+    """Give plan ``i`` torch's file prefix ``__{i}_`` unless it already has one (STORE-9)."""
+    return [
+        dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+        if p.storage_data is None
+        else p
+        for i, p in enumerate(plans)
+    ]
+
+
+def plan_prefix(plan: SavePlan) -> str:
+    """The file prefix the global plan gave this rank (``__0_`` for a lone writer)."""
+    data = plan.storage_data
+    return data.prefix if isinstance(data, _StoragePrefix) else "__0_"

@@ -11,7 +11,6 @@ deterministic (``__{rank}_{n}.g{generation}.distcp``).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import threading
 from collections.abc import Mapping
@@ -20,7 +19,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -168,17 +167,10 @@ class MemoryWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [
-            dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
-            if p.storage_data is None
-            else p
-            for i, p in enumerate(plans)
-        ]
+        return layout.assign_rank_prefixes(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = (
-            plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else "__0_"
-        )
+        prefix = layout.plan_prefix(plan)
         name = layout.data_file_name(prefix, 0, f"g{self._generation}")
         results: list[WriteResult] = []
         parts: list[Any] = []
