@@ -56,6 +56,19 @@ def _classes(impl: str) -> tuple[Any, Any]:
     return FileSystemWriter, FileSystemReader
 
 
+def _phase_timed(inner: Any, phase: list[float]) -> Any:
+    """Wrap write_data/read_data so ``phase[0]`` accumulates the storage phase alone."""
+
+    def timed(*a: Any) -> Any:
+        t = time.perf_counter()
+        fut = inner(*a)
+        fut.wait()
+        phase[0] += time.perf_counter() - t
+        return fut
+
+    return timed
+
+
 def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, out: Any) -> None:
     warnings.filterwarnings("ignore")
     import torch
@@ -80,30 +93,12 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
     base = _maxrss()
     if op == "save":
         w = writer_cls(path, sync_files=True)
-        inner_w = w.write_data
-
-        def timed_w(*a: Any) -> Any:
-            t = time.perf_counter()
-            r = inner_w(*a)
-            r.wait()
-            phase[0] += time.perf_counter() - t
-            return r
-
-        w.write_data = timed_w
+        w.write_data = _phase_timed(w.write_data, phase)
         t0 = time.perf_counter()
         save_fn(sd, storage_writer=w, no_dist=True)
     else:
         r = reader_cls(path)
-        inner_r = r.read_data
-
-        def timed_r(*a: Any) -> Any:
-            t = time.perf_counter()
-            res = inner_r(*a)
-            res.wait()
-            phase[0] += time.perf_counter() - t
-            return res
-
-        r.read_data = timed_r
+        r.read_data = _phase_timed(r.read_data, phase)
         t0 = time.perf_counter()
         load_fn(sd, storage_reader=r, no_dist=True)
     elapsed = time.perf_counter() - t0
