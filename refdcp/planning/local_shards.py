@@ -139,9 +139,10 @@ def _check_chunks(shape: torch.Size, pairs: list[tuple[torch.Size, torch.Tensor]
             raise ValueError(
                 f"chunk at {tuple(off)} of shape {tuple(t.shape)} exceeds {tuple(shape)}"
             )
-    boxes = [(off, t.shape) for off, t in pairs if t.numel() > 0]
-    boxes.sort(key=lambda b: tuple(b[0]))
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
-                raise ValueError(f"chunks at {tuple(oa)} and {tuple(ob)} overlap")
+    from .global_metadata import find_overlaps  # the sweep the metadata check uses (META-3)
+
+    boxes = [(tuple(off), tuple(t.shape), i) for i, (off, t) in enumerate(pairs) if t.numel() > 0]
+    overlaps = find_overlaps(boxes)
+    if overlaps:
+        a, b = sorted(overlaps[0], key=lambda box: box[0])
+        raise ValueError(f"chunks at {a[0]} and {b[0]} overlap")
