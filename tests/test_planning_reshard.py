@@ -7,6 +7,7 @@ import math
 import random
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -224,3 +225,50 @@ def test_holes_in_saved_chunks_are_an_error_not_stale_values(tmp_path: Path) -> 
     assert isinstance(cause, LoadPolicyError)
     assert "'x'" in str(cause) and "3 of 6 elements" in str(cause)
     assert bool((dest["x"] == -7.0).all())  # nothing was read
+
+
+@pytest.mark.spec("RESHARD-6")
+@given(
+    ends_starts=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 30)), min_size=1, max_size=60),
+    x=st.integers(-1, 90),
+    last=st.integers(0, 60),
+)
+def test_end_index_finds_exactly_the_chunks_reaching_past_x(
+    ends_starts: list[tuple[int, int]], x: int, last: int
+) -> None:
+    from refdcp.planning.resharding import _EndIndex
+
+    chunks = sorted(ends_starts)
+    ends = [a + n for a, n in chunks]
+    got = _EndIndex(ends).indices_ending_after(x, last)
+    assert got == [i for i in range(min(last, len(ends))) if ends[i] > x]
+
+
+@pytest.mark.spec("RESHARD-6", "RESHARD-1")
+def test_one_long_saved_chunk_does_not_make_lookups_scan_everything() -> None:
+    from refdcp.planning import resharding
+
+    k = 4096
+    saved = [ChunkStorageMetadata(torch.Size([0]), torch.Size([k]))] + [
+        ChunkStorageMetadata(torch.Size([k + i]), torch.Size([1])) for i in range(k)
+    ]
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * k]), saved)
+    targets = [ChunkStorageMetadata(torch.Size([k + i]), torch.Size([1])) for i in range(k)]
+    seen: list[Any] = []
+    real = resharding._EndIndex
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, ends: list[int]) -> None:
+            super().__init__(ends)
+            seen.append(self)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(resharding, "_EndIndex", Counting):
+        reads = read_items_for_chunks("x", md, targets)
+    assert [(r.dest_index.index, r.storage_index.index) for r in reads] == [
+        (i, i + 1) for i in range(k)
+    ]
+    # each lookup visits O(log n) nodes: far below one scan of all chunks per target
+    assert seen[0].visited <= 4 * k * (k + 1).bit_length()
+    assert seen[0].visited < k * (k + 1) // 20

@@ -45,17 +45,16 @@ def read_items_for_chunks(
     dim = max(range(ndim), key=lambda d: len({s[0][d] for s in src}))
     src.sort(key=lambda s: s[0][dim])
     starts = [s[0][dim] for s in src]
-    # prefix maximum of saved ends along dim: lets the scan stop early
-    max_len = max(s[1][dim] for s in src)
+    reaching = _EndIndex([s[0][dim] + s[1][dim] for s in src])
     for ti, t in enumerate(targets):
         toff, tsz = tuple(t.offsets), tuple(t.sizes)
         if any(s <= 0 for s in tsz):
             continue
         lo_d, hi_d = toff[dim], toff[dim] + tsz[dim]
-        # saved chunks that can reach lo_d start at or after lo_d - max_len
-        first = bisect.bisect_right(starts, lo_d - max_len)
+        # saved chunks starting before hi_d whose end passes lo_d: O(log n + hits)
         last = bisect.bisect_left(starts, hi_d)
-        for soff, ssz, si in src[first:last]:
+        for j in reaching.indices_ending_after(lo_d, last):
+            soff, ssz, si = src[j]
             lengths = []
             dest = []
             stor = []
@@ -70,6 +69,45 @@ def read_items_for_chunks(
             else:
                 out.append(_read(fqn, toff, ti, soff, si, dest, stor, lengths))
     return out
+
+
+class _EndIndex:
+    """A max-segment tree over chunk ends (chunks sorted by start) (RESHARD-6).
+
+    ``indices_ending_after(x, last)`` lists, in order, the chunks among the
+    first ``last`` whose end exceeds ``x``, visiting only subtrees that hold
+    one, so one long chunk no longer makes every lookup scan all chunks.
+    """
+
+    def __init__(self, ends: list[int]) -> None:
+        self.n = len(ends)
+        size = 1
+        while size < self.n:
+            size *= 2
+        self.size = size
+        tree = [-1] * (2 * size)
+        tree[size : size + self.n] = ends
+        for i in range(size - 1, 0, -1):
+            tree[i] = max(tree[2 * i], tree[2 * i + 1])
+        self.tree = tree
+        self.visited = 0  # nodes popped by all lookups so far: the cost RESHARD-6 bounds
+
+    def indices_ending_after(self, x: int, last: int) -> list[int]:
+        out: list[int] = []
+        tree, size = self.tree, self.size
+        stack = [(1, 0, size)]  # node, first index it covers, one past its last
+        while stack:
+            node, lo, hi = stack.pop()
+            self.visited += 1
+            if lo >= last or tree[node] <= x:
+                continue
+            if node >= size:
+                out.append(lo)
+                continue
+            mid = (lo + hi) // 2
+            stack.append((2 * node + 1, mid, hi))
+            stack.append((2 * node, lo, mid))
+        return out
 
 
 def _read(
