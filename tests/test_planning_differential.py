@@ -181,3 +181,40 @@ def test_multi_rank_metadata_equal_and_loads_cross(case: tuple[int, int, int, st
         for off, t in x.chunks:
             assert torch.equal(t, full[off[0] : off[0] + t.shape[0]])
         assert torch.equal(sd["rep"], rep) and sd["step"] == 3
+
+
+@pytest.mark.spec("API-3")
+@pytest.mark.parametrize("world", [1, 3])
+def test_torch_planners_inside_refdcp_save_and_load(world: int) -> None:
+    """torch's DefaultSavePlanner/DefaultLoadPlanner driven by refdcp's protocol, FakeWorld ranks."""
+    import refdcp
+    from refdcp.comm import FakeWorld
+    from refdcp.storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    full = torch.arange(24.0).reshape(6, 4)
+
+    def save(comm: Any) -> Metadata:
+        r = comm.rank
+        sd = {"shared": full.clone(), f"own{r}": torch.full((3,), float(r)), "step": 5}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return refdcp.save(
+                sd, storage_writer=storage.writer("tp"), planner=tp.DefaultSavePlanner(), comm=comm
+            )
+
+    mds = FakeWorld(world).run(save)
+    assert all(md == mds[0] for md in mds)
+    assert set(mds[0].state_dict_metadata) == {"shared", "step", *(f"own{r}" for r in range(world))}
+
+    def load(comm: Any) -> dict[str, Any]:
+        r = comm.rank
+        sd: dict[str, Any] = {"shared": torch.zeros(6, 4), f"own{r}": torch.zeros(3), "step": 0}
+        refdcp.load(
+            sd, storage_reader=storage.reader("tp"), planner=tp.DefaultLoadPlanner(), comm=comm
+        )
+        return sd
+
+    for r, sd in enumerate(FakeWorld(world).run(load)):
+        assert torch.equal(sd["shared"], full) and sd["step"] == 5
+        assert torch.equal(sd[f"own{r}"], torch.full((3,), float(r)))

@@ -38,8 +38,11 @@ DTYPES = [
     torch.int64,
     torch.uint8,
 ]
-if hasattr(torch, "float8_e8m0fnu"):
-    DTYPES.append(torch.float8_e8m0fnu)
+DTYPES += [
+    getattr(torch, name)
+    for name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex128", "int16")
+    if hasattr(torch, name)
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
