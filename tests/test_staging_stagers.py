@@ -192,3 +192,55 @@ def test_local_shards_stage_their_chunks(tmp_path: Path, cached: bool) -> None:
     refdcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(out["w"], torch.ones(2, 3))
     stager.close()
+
+
+@pytest.mark.spec("STAGE-18", "STAGE-6")
+@pytest.mark.parametrize("cached", [False, True])
+def test_background_copy_returns_a_future_and_isolates_after_it(tmp_path: Path, cached: bool) -> None:
+    from concurrent.futures import Future
+
+    import refdcp
+    from refdcp.async_save import InFlightLimiter, async_save
+
+    stager = CpuStager(cache_staged_state_dict=cached, background_copy=True)
+    src = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 3}
+    fut = stager.stage(src)
+    assert isinstance(fut, Future)
+    stager.synchronize_staging()
+    assert fut.done()
+    snap = fut.result()
+    src["w"].add_(1)
+    assert torch.equal(snap["w"], torch.arange(1 << 16, dtype=torch.float32)) and snap["step"] == 3
+    stager.release(snap)
+    limiter = InFlightLimiter(2)
+    for i in range(3):
+        handle = async_save(
+            {"w": src["w"], "step": i},
+            checkpoint_id=str(tmp_path / f"c{i}"),
+            no_dist=True,
+            stager=stager,
+            limiter=limiter,
+        )
+        handle.staged.result(timeout=60)
+        expected = src["w"].clone()
+        src["w"].mul_(-1)  # after staged: never reaches checkpoint i
+        handle.result(timeout=60)
+        out = {"w": torch.zeros(1 << 16), "step": -1}
+        refdcp.load(out, checkpoint_id=str(tmp_path / f"c{i}"), no_dist=True)
+        assert torch.equal(out["w"], expected) and out["step"] == i
+    stager.close()
+
+
+@pytest.mark.spec("STAGE-18")
+def test_background_copy_failure_reaches_the_future() -> None:
+    stager = CpuStager(cache_staged_state_dict=True, background_copy=True)
+
+    class Exploding:
+        def __deepcopy__(self, memo: object) -> object:
+            raise RuntimeError("cannot copy this leaf")
+
+    fut = stager.stage({"w": torch.ones(4), "bad": Exploding()})
+    with pytest.raises(RuntimeError, match="cannot copy"):
+        fut.result(timeout=60)
+    stager.synchronize_staging()  # does not raise: the Future reports the error
+    stager.close()  # the failed copy's buffers were returned: closing is allowed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -55,6 +56,10 @@ class CpuStager(AsyncStager):
       is garbage-collected (STAGE-12).
     * ``type_check=True``: leaves must be plain tensors or simple Python
       scalars/strings (STAGE-10).
+    * ``background_copy=True``: ``stage`` returns a ``Future`` at once and the
+      copy runs on a staging thread (torch's copies release the GIL, so the
+      training step goes on); the source must not change until the Future
+      (``handle.staged`` in ``async_save``) resolves (STAGE-18).
     """
 
     _synchronize_after_execute: bool = False
@@ -69,8 +74,12 @@ class CpuStager(AsyncStager):
         max_buffer_sets: int = 2,
         max_bytes: int | None = None,
         wait_timeout: float = 600.0,
+        background_copy: bool = False,
     ) -> None:
         self.cache_staged_state_dict = cache_staged_state_dict
+        self.background_copy = background_copy
+        self._bg_executor: ThreadPoolExecutor | None = None
+        self._bg_pending: Future[dict[str, Any]] | None = None
         self.type_check = type_check
         self.pool: BufferPool | None = None
         if cache_staged_state_dict:
@@ -88,13 +97,26 @@ class CpuStager(AsyncStager):
         self._leases: dict[int, tuple[Lease, weakref.finalize[Any, Any]]] = {}
         self._lock = threading.Lock()
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Return a snapshot of ``state_dict`` on CPU, immune to later source changes (STAGE-6)."""
+    def stage(self, state_dict: dict[str, Any]) -> Any:
+        """A snapshot of ``state_dict`` on CPU, immune to later source changes (STAGE-6).
+
+        With ``background_copy`` it is a ``Future`` of the snapshot (STAGE-18).
+        """
         layout = layout_of(state_dict, type_check=self.type_check)
-        if self.pool is None:
+        lease = self.pool.acquire(layout) if self.pool is not None else None
+        if not self.background_copy:
+            return self._copy(state_dict, layout, lease)
+        if self._bg_executor is None:
+            self._bg_executor = ThreadPoolExecutor(1, thread_name_prefix="refdcp-staging")
+        fut = self._bg_executor.submit(self._copy, state_dict, layout, lease)
+        self._bg_pending = fut
+        return fut
+
+    def _copy(self, state_dict: dict[str, Any], layout: Layout, lease: Lease | None) -> Any:
+        if lease is None:
             out = build_snapshot(state_dict, layout, allocate(layout), copy_into)
             return _as_staged(out)
-        lease = self.pool.acquire(layout)
+        assert self.pool is not None
         try:
             out = build_snapshot(state_dict, layout, lease.buffers, copy_into)
         except BaseException:
@@ -127,10 +149,16 @@ class CpuStager(AsyncStager):
             lease.release()
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: ``stage`` blocks until the copy is complete."""
+        """Wait for the last background copy (nothing to wait for without ``background_copy``)."""
+        pending = self._bg_pending
+        if pending is not None:
+            pending.exception()  # waits; the error itself is the Future's to report
 
     def close(self) -> None:
         """Free the cached buffers (STAGE-4: raises while a snapshot is still leased)."""
+        if self._bg_executor is not None:
+            self._bg_executor.shutdown(wait=True)
+            self._bg_executor = None
         if self.pool is not None:
             self.pool.close()
 

@@ -58,7 +58,7 @@ class CudaAsyncStager(CpuStager):
         self._last: Future[dict[str, Any]] | None = None
         self._stage_lock = threading.Lock()
 
-    def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:  # type: ignore[override]
+    def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
         """Enqueue the copies and return a Future of the snapshot (STAGE-14)."""
         layout = layout_of(state_dict, type_check=self.type_check)
         pool: BufferPool | None = self.pool
