@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 from collections import namedtuple
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -196,7 +197,9 @@ def test_local_shards_stage_their_chunks(tmp_path: Path, cached: bool) -> None:
 
 @pytest.mark.spec("STAGE-18", "STAGE-6")
 @pytest.mark.parametrize("cached", [False, True])
-def test_background_copy_returns_a_future_and_isolates_after_it(tmp_path: Path, cached: bool) -> None:
+def test_background_copy_returns_a_future_and_isolates_after_it(
+    tmp_path: Path, cached: bool
+) -> None:
     from concurrent.futures import Future
 
     import refdcp
@@ -244,3 +247,50 @@ def test_background_copy_failure_reaches_the_future() -> None:
         fut.result(timeout=60)
     stager.synchronize_staging()  # does not raise: the Future reports the error
     stager.close()  # the failed copy's buffers were returned: closing is allowed
+
+
+def _dtensor_rank(rank: int, world: int, root: str) -> list[Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    import refdcp
+    from refdcp.async_save import InFlightLimiter, async_save
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24.0).reshape(6, 4)
+    src = {
+        "w": distribute_tensor(full.clone(), mesh, [Shard(0)]),
+        "b": distribute_tensor(torch.ones(3), mesh, [Replicate()]),
+    }
+    stager = CpuStager(cache_staged_state_dict=True, type_check=True)
+    snap = stager.stage(src)
+    w = snap["w"]
+    checks = [
+        isinstance(w, DTensor),
+        w.placements == src["w"].placements and tuple(w.shape) == (6, 4),
+        torch.equal(w.to_local(), src["w"].to_local()),
+        w.to_local().data_ptr() != src["w"].to_local().data_ptr(),
+    ]
+    ptr = w.to_local().data_ptr()
+    stager.release(snap)
+    again = stager.stage(src)
+    checks.append(again["w"].to_local().data_ptr() == ptr)  # the pooled buffer is reused
+    stager.release(again)
+    handle = async_save(src, checkpoint_id=root, stager=stager, limiter=InFlightLimiter(1))
+    handle.staged.result(timeout=60)
+    src["w"].to_local().zero_()  # after staging: must not reach the checkpoint
+    handle.result(timeout=120)
+    out = {"w": torch.zeros(6, 4), "b": torch.zeros(3)}
+    refdcp.load(out, checkpoint_id=root, no_dist=True)
+    checks.append(torch.equal(out["w"], full) and torch.equal(out["b"], torch.ones(3)))
+    stager.close()
+    return checks
+
+
+@pytest.mark.spec("STAGE-19")
+@pytest.mark.dist
+def test_dtensor_stages_its_local_shard_into_the_pool(tmp_path: Path) -> None:
+    from refdcp.testing.spawn import run_gloo
+
+    results = run_gloo(2, _dtensor_rank, str(tmp_path / "ck"), timeout=150.0)
+    assert results == [[True] * 6, [True] * 6]

@@ -5,7 +5,8 @@ leaves are tensors or other objects. Tensors are copied into contiguous CPU
 buffers of their own shape and dtype, so a view stages only its own elements
 (STAGE-7). The same tensor object reached twice stages once and both places
 share the copy (STAGE-8). A ``LocalShards`` stages each of its chunk tensors
-like a container and is rebuilt around the copies (STAGE-17). Other leaves are
+like a container and is rebuilt around the copies (STAGE-17); a DTensor stages
+its local shard and is rebuilt with the same spec (STAGE-19). Other leaves are
 deep-copied (STAGE-9).
 """
 
@@ -69,6 +70,13 @@ def _local_shards(obj: object) -> bool:
     return isinstance(obj, LocalShards)
 
 
+def _dtensor(obj: object) -> bool:
+    """A DTensor whose local shard is a plain tensor: staged through its local tensor (STAGE-19)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor) and _plain_tensor(obj._local_tensor)
+
+
 def _plain_tensor(obj: object) -> bool:
     return isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter)
 
@@ -99,6 +107,8 @@ class _LayoutWalk:
         elif _local_shards(obj):
             for i, (_, chunk) in enumerate(obj.chunks):
                 self.walk(chunk, (*path, ("chunk", i)))
+        elif _dtensor(obj):
+            self.walk(obj._local_tensor, (*path, "local"))
         elif _plain_tensor(obj):
             t: torch.Tensor = obj
             first = self.seen.get(id(t))
@@ -165,6 +175,12 @@ class _SnapshotWalk:
 
             chunks = [(off, self.walk(t)) for off, t in obj.chunks]
             return LocalShards(obj.shape, chunks, dtype=obj.dtype)
+        if _dtensor(obj):
+            from torch.distributed.tensor import DTensor
+
+            # same spec (mesh, placements, global shape), the staged copy as local shard
+            staged = self.walk(obj._local_tensor)
+            return DTensor(staged, obj._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if _plain_tensor(obj):
             slot = self.layout[self.idx]
             if slot.alias_of is not None:
