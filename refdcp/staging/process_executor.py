@@ -122,7 +122,15 @@ class _Worker:
         if not self._conn.poll(start_timeout):
             self.proc.kill()
             raise TimeoutError(f"the checkpoint worker process did not start in {start_timeout} s")
-        self._conn.recv()
+        try:
+            self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self.proc.join(5)
+            raise RuntimeError(
+                "the checkpoint worker process exited while starting (exit code "
+                f"{self.proc.exitcode}); executor='process' starts it with multiprocessing's "
+                "'spawn', so the main script must be guarded by `if __name__ == '__main__':`"
+            ) from exc
         self._queue: queue.Queue[tuple[_Request, Future[Metadata]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="refdcp-ckpt-io")
         self._thread.start()
