@@ -46,6 +46,14 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _current_rss_mib() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+    except OSError:  # not Linux: fall back to the high-water mark
+        return _rss_mib()
+
+
 def _make_state(gib: float) -> dict[str, Any]:
     import torch
 
@@ -128,7 +136,7 @@ def run_one(name: str, gib: float, steady: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    base_rss = _rss_mib()
+    base_rss = _current_rss_mib()  # resident now (torch loaded), not a high-water mark
     sd = _make_state(gib)
     state_mib = sum(t.numel() * t.element_size() for t in sd.values()) / (1 << 20)
     root = tempfile.mkdtemp(prefix=f"bench_async_{name}_")
