@@ -10,55 +10,15 @@ load never calls ``load_state_dict`` anywhere.
 
 from __future__ import annotations
 
-from refdcp.protocol.machine import IDLE, Kind, On, Role, Row, Table
+from refdcp.protocol.machine import Kind, On, Row, Table
+from refdcp.protocol.planning_phase import planning_rows
 
 __all__ = ["LOAD", "LOAD_ROWS"]
 
-_L, _G, _S, _A = Kind.LOCAL, Kind.GATHER, Kind.SCATTER, Kind.ALL_GATHER
-_C, _P = Role.COORD, Role.PEER
+_L, _A = Kind.LOCAL, Kind.ALL_GATHER
 
 LOAD_ROWS = [
-    Row(IDLE, On.START, "set_up", _L, "set_up", req="LOAD-1"),
-    Row("set_up", On.OK, "local_plan", _L, "local_plan", req="LOAD-1"),
-    Row("set_up", On.ERR, "gather_plans", _G, "local_plan", "all_plans", req="PROTO-5"),
-    Row("local_plan", On.OK, "gather_plans", _G, "local_plan", "all_plans", req="LOAD-2"),
-    Row("local_plan", On.ERR, "gather_plans", _G, "local_plan", "all_plans", req="PROTO-5"),
-    Row("gather_plans", On.GOT_OK, "global_plan", _L, "global_plan", role=_C, req="LOAD-3"),
-    Row(
-        "gather_plans",
-        On.GOT_ERR,
-        "scatter_plans",
-        _S,
-        "global_plans",
-        "central_plan",
-        _C,
-        req="PROTO-5",
-    ),
-    Row(
-        "gather_plans",
-        On.SENT,
-        "scatter_plans",
-        _S,
-        "global_plans",
-        "central_plan",
-        _P,
-        req="LOAD-3",
-    ),
-    Row(
-        "global_plan", On.OK, "scatter_plans", _S, "global_plans", "central_plan", _C, req="LOAD-3"
-    ),
-    Row(
-        "global_plan",
-        On.ERR,
-        "scatter_plans",
-        _S,
-        "global_plans",
-        "central_plan",
-        _C,
-        req="PROTO-5",
-    ),
-    Row("scatter_plans", On.GOT_OK, "finish_plan", _L, "finish_plan", req="LOAD-4"),
-    Row("scatter_plans", On.GOT_ERR, "failed", Kind.RAISE, req="ERR-1"),
+    *planning_rows("LOAD-1", "LOAD-2", "LOAD-3", "LOAD-4"),
     Row("finish_plan", On.OK, "read", _L, "read", req="LOAD-4"),
     Row("finish_plan", On.ERR, "gather_read", _A, "read_outcome", "read_outcomes", req="PROTO-5"),
     Row("read", On.OK, "gather_read", _A, "read_outcome", "read_outcomes", req="LOAD-4"),

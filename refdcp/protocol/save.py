@@ -10,57 +10,18 @@ after it the checkpoint is complete.
 
 from __future__ import annotations
 
-from refdcp.protocol.machine import IDLE, Kind, On, Role, Row, Table
+from refdcp.protocol.machine import Kind, On, Role, Row, Table
+from refdcp.protocol.planning_phase import planning_rows
 
 __all__ = ["SAVE", "SAVE_ROWS", "COMMIT_STEP"]
 
 COMMIT_STEP = "commit"
 
-_L, _G, _S, _B = Kind.LOCAL, Kind.GATHER, Kind.SCATTER, Kind.BROADCAST
+_L, _G, _B = Kind.LOCAL, Kind.GATHER, Kind.BROADCAST
 _C, _P = Role.COORD, Role.PEER
 
 SAVE_ROWS = [
-    Row(IDLE, On.START, "set_up", _L, "set_up", req="SAVE-1"),
-    Row("set_up", On.OK, "local_plan", _L, "local_plan", req="SAVE-1"),
-    Row("set_up", On.ERR, "gather_plans", _G, "local_plan", "all_plans", req="PROTO-5"),
-    Row("local_plan", On.OK, "gather_plans", _G, "local_plan", "all_plans", req="SAVE-2"),
-    Row("local_plan", On.ERR, "gather_plans", _G, "local_plan", "all_plans", req="PROTO-5"),
-    Row("gather_plans", On.GOT_OK, "global_plan", _L, "global_plan", role=_C, req="SAVE-3"),
-    Row(
-        "gather_plans",
-        On.GOT_ERR,
-        "scatter_plans",
-        _S,
-        "global_plans",
-        "central_plan",
-        _C,
-        req="PROTO-5",
-    ),
-    Row(
-        "gather_plans",
-        On.SENT,
-        "scatter_plans",
-        _S,
-        "global_plans",
-        "central_plan",
-        _P,
-        req="SAVE-3",
-    ),
-    Row(
-        "global_plan", On.OK, "scatter_plans", _S, "global_plans", "central_plan", _C, req="SAVE-3"
-    ),
-    Row(
-        "global_plan",
-        On.ERR,
-        "scatter_plans",
-        _S,
-        "global_plans",
-        "central_plan",
-        _C,
-        req="PROTO-5",
-    ),
-    Row("scatter_plans", On.GOT_OK, "finish_plan", _L, "finish_plan", req="SAVE-4"),
-    Row("scatter_plans", On.GOT_ERR, "failed", Kind.RAISE, req="ERR-1"),
+    *planning_rows("SAVE-1", "SAVE-2", "SAVE-3", "SAVE-4"),
     Row("finish_plan", On.OK, "write", _L, "write", req="SAVE-4"),
     Row("finish_plan", On.ERR, "gather_results", _G, "write_results", "all_results", req="PROTO-5"),
     Row("write", On.OK, "gather_results", _G, "write_results", "all_results", req="SAVE-5"),
