@@ -9,7 +9,7 @@ catches it, unlike torch's ``CheckpointException``) and torch's
 from __future__ import annotations
 
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -20,6 +20,7 @@ __all__ = [
     "CommAborted",
     "CommTimeout",
     "Failure",
+    "ProblemsError",
     "ProtocolError",
     "RefdcpError",
 ]
@@ -27,6 +28,24 @@ __all__ = [
 
 class RefdcpError(Exception):
     """Base class of refdcp's own errors that are not collective failures."""
+
+
+class ProblemsError(ValueError):
+    """Every problem found at once, one per line after ``headline`` (META-5, POLICY-1).
+
+    Rebuilt from ``problems`` when unpickled, so it survives collectives (ERR-3).
+    """
+
+    headline = "problems"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            f"{self.headline} ({len(self.problems)} problem(s)):\n- " + "\n- ".join(self.problems)
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.problems,))
 
 
 class ProtocolError(RefdcpError):

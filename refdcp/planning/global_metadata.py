@@ -22,22 +22,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem
 
+from refdcp.errors import ProblemsError
+
 __all__ = ["PlanValidationError", "build_state_dict_metadata", "find_overlaps"]
 
 
-class PlanValidationError(ValueError):
+class PlanValidationError(ProblemsError):
     """The global save plan is inconsistent; ``problems`` lists every violation (META-5)."""
 
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        super().__init__(
-            f"invalid global save plan ({len(self.problems)} problem(s)):\n- "
-            + "\n- ".join(self.problems)
-        )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # rebuilt from ``problems`` so it survives the pickling of collectives (ERR-3)
-        return (type(self), (self.problems,))
+    headline = "invalid global save plan"
 
 
 def build_state_dict_metadata(

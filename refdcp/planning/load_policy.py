@@ -6,7 +6,7 @@ All problems are collected and raised together, before any read is planned
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,8 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     TensorStorageMetadata,
 )
+
+from refdcp.errors import ProblemsError
 
 from .flatten import is_tensor_like
 
@@ -36,19 +38,10 @@ class LoadPolicy:
     allow_pickle: bool = False
 
 
-class LoadPolicyError(ValueError):
+class LoadPolicyError(ProblemsError):
     """The state dict does not fit the checkpoint; ``problems`` lists every mismatch (POLICY-1)."""
 
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        super().__init__(
-            f"state_dict does not match the checkpoint ({len(self.problems)} problem(s)):\n- "
-            + "\n- ".join(self.problems)
-        )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # rebuilt from ``problems`` so it survives the pickling of collectives (ERR-3)
-        return (type(self), (self.problems,))
+    headline = "state_dict does not match the checkpoint"
 
 
 def _dest_dtype(obj: Any) -> torch.dtype | None:
