@@ -26,23 +26,22 @@ def _candidates(kind: str) -> list[type[Any]]:
     return out
 
 
-def select_writer(checkpoint_id: Any) -> StorageWriter:
-    for cls in _candidates("Writer"):
+def _select(kind: str, checkpoint_id: Any) -> Any:
+    for cls in _candidates(kind):
         if cls.validate_checkpoint_id(checkpoint_id):
-            writer: StorageWriter = cls(checkpoint_id)
-            writer.reset(checkpoint_id)
-            return writer
+            storage = cls(checkpoint_id)
+            storage.reset(checkpoint_id)
+            return storage
     raise RuntimeError(
-        f"cannot choose a storage writer for checkpoint_id={checkpoint_id!r} (API-5)"
+        f"cannot choose a storage {kind.lower()} for checkpoint_id={checkpoint_id!r} (API-5)"
     )
+
+
+def select_writer(checkpoint_id: Any) -> StorageWriter:
+    writer: StorageWriter = _select("Writer", checkpoint_id)
+    return writer
 
 
 def select_reader(checkpoint_id: Any) -> StorageReader:
-    for cls in _candidates("Reader"):
-        if cls.validate_checkpoint_id(checkpoint_id):
-            reader: StorageReader = cls(checkpoint_id)
-            reader.reset(checkpoint_id)
-            return reader
-    raise RuntimeError(
-        f"cannot choose a storage reader for checkpoint_id={checkpoint_id!r} (API-5)"
-    )
+    reader: StorageReader = _select("Reader", checkpoint_id)
+    return reader
