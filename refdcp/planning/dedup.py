@@ -77,6 +77,8 @@ def dedup_items(
     counts = Counter(chain.from_iterable(keys_of))
     total = sum(map(len, keys_of))
     shared = set() if len(counts) == total else {k for k, n in counts.items() if n > 1}
+    # per class, which of its keys other classes hold too: computed once, used by steps 3-4
+    masks = [list(map(shared.__contains__, keys)) for keys in keys_of] if shared else []
     owner: dict[ItemKey, int] = {}
     for c, keys in enumerate(keys_of):
         if len(members_of[c]) == 1 and shared:
@@ -92,8 +94,7 @@ def dedup_items(
             sel_keys: Iterable[ItemKey] = keys
             sel_items: Iterable[WriteItem] = items
         elif shared:
-            mask = list(map(shared.__contains__, keys))
-            sel_keys, sel_items = list(compress(keys, mask)), list(compress(items, mask))
+            sel_keys, sel_items = list(compress(keys, masks[c])), list(compress(items, masks[c]))
         else:
             continue
         deque(map(first_class.setdefault, sel_keys, repeat(c)), maxlen=0)
@@ -109,7 +110,7 @@ def dedup_items(
     problems: list[str] = []
     item_of: dict[int, dict[ItemKey, WriteItem]] = {}
     replicated: list[tuple[int, ItemKey, list[int], WriteItem]] = []
-    suspects = _suspects(keys_of, [plans[r] for r in reps], [sums[r] for r in reps], shared)
+    suspects = _suspects(keys_of, [plans[r] for r in reps], [sums[r] for r in reps], masks)
     every_rank = sorted(r for members in members_of for r in members)
     for k, item in rep_item.items():
         n = counts[k]
@@ -127,11 +128,12 @@ def dedup_items(
     # 4. largest-first greedy over replicated keys, after the unreplicated bytes
     loads = [0] * world
     if replicated:
-        for c, keys in enumerate(keys_of):
-            if len(members_of[c]) == 1:
+        for c, members in enumerate(members_of):
+            if len(members) == 1:
                 items = plans[reps[c]]
-                own = compress(items, map(not_, map(shared.__contains__, keys))) if shared else ()
-                loads[members_of[c][0]] = sum(map(chunk_nbytes, own))
+                # a lone rank's own bytes: every item no other class holds
+                own = compress(items, map(not_, masks[c])) if shared else items
+                loads[members[0]] = sum(map(chunk_nbytes, own))
     replicated.sort(key=lambda e: -e[0])
     load_of = loads.__getitem__
     heap = [(load, r) for r, load in enumerate(loads)]  # least loaded of all ranks, lazily
@@ -193,7 +195,7 @@ def _suspects(
     keys_of: Sequence[Sequence[ItemKey]],
     items_of: Sequence[Sequence[WriteItem]],
     sums_of: Sequence[Mapping[Any, int] | None],
-    shared: set[ItemKey],
+    masks: Sequence[list[bool]],
 ) -> set[ItemKey]:
     """Keys whose replicas may disagree in kind, dtype, shape or checksum: a C-level screen.
 
@@ -201,13 +203,12 @@ def _suspects(
     holding the key, through ``dict.setdefault`` and ``operator.ne`` mapped over
     whole plans, so agreeing replicas cost no Python-level work per item (DEDUP-8).
     """
-    if len(keys_of) < 2 or not shared:  # no key is held by two classes: nothing to compare
+    if len(keys_of) < 2 or not masks:  # no key is held by two classes: nothing to compare
         return set()
     first_sig: dict[ItemKey, Any] = {}
     first_sum: dict[ItemKey, int] = {}
     out: set[ItemKey] = set()
-    for keys, items, sums in zip(keys_of, items_of, sums_of):
-        mask = list(map(shared.__contains__, keys))
+    for keys, items, sums, mask in zip(keys_of, items_of, sums_of, masks):
         keys = list(compress(keys, mask))
         items = list(compress(items, mask))
         if all(map(_td, items)):  # all tensors: the signature is one C-level attrgetter
