@@ -11,7 +11,6 @@ as DCP does after gathering the failures.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
+
+from refdcp.driver.steps import set_up_reader, set_up_writer
 
 __all__ = [
     "SAVE_STEPS",
@@ -89,10 +90,6 @@ class _FaultySavePlanner(DefaultSavePlanner):
         raise InjectedFault(f"injected: resolve_data({write_item.index.fqn}) failed")
 
 
-def _set_up_kwargs(method: Callable[..., Any]) -> bool:
-    return "kwargs" in inspect.signature(method).parameters
-
-
 def _check(fault: Fault | None, step: str, rank: int) -> None:
     if fault is not None and fault.step == step and fault.rank == rank:
         raise InjectedFault(f"injected: {step} on rank {rank}")
@@ -121,10 +118,7 @@ def save_ranks(
         if reset:
             writer.reset(checkpoint_id)
         _check(fault, "set_up_storage_writer", rank)
-        if _set_up_kwargs(writer.set_up_storage_writer):
-            writer.set_up_storage_writer(coord, rank=rank, use_collectives=True)
-        else:
-            writer.set_up_storage_writer(coord)
+        set_up_writer(writer, coord, rank)
         planner: DefaultSavePlanner
         if fault is not None and fault.step == "write_data:inside" and fault.rank == rank:
             planner = _FaultySavePlanner()
@@ -175,10 +169,7 @@ def load_ranks(
         if reset:
             reader.reset(checkpoint_id)
         metadata = reader.read_metadata()
-        if _set_up_kwargs(reader.set_up_storage_reader):
-            reader.set_up_storage_reader(metadata, coord, rank=rank, use_collectives=True)
-        else:
-            reader.set_up_storage_reader(metadata, coord)
+        set_up_reader(reader, metadata, coord, rank)
         planner = planners[rank] if planners is not None else DefaultLoadPlanner()
         planner.set_up_planner(sd, metadata, coord)
         plan = planner.create_local_plan()

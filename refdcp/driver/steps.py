@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.errors import ProtocolError
 
-__all__ = ["LoadContext", "SaveContext"]
+__all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer"]
 
 
 def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
@@ -30,6 +30,22 @@ def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def set_up_writer(writer: StorageWriter, coordinator: bool, rank: int) -> None:
+    """torch 2.13's call: rank and ``use_collectives`` only to writers taking ``**kwargs`` (SAVE-1)."""
+    if _accepts_kwargs(writer.set_up_storage_writer):
+        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+    else:
+        writer.set_up_storage_writer(coordinator)
+
+
+def set_up_reader(reader: StorageReader, metadata: Metadata, coordinator: bool, rank: int) -> None:
+    """The reader's counterpart of :func:`set_up_writer` (LOAD-1)."""
+    if _accepts_kwargs(reader.set_up_storage_reader):
+        reader.set_up_storage_reader(metadata, coordinator, rank=rank, use_collectives=True)
+    else:
+        reader.set_up_storage_reader(metadata, coordinator)
 
 
 def _has_param(fn: Callable[..., Any], name: str) -> bool:
@@ -96,12 +112,7 @@ class SaveContext(_Base):
             self.planner.set_up_planner(sd, meta, self.coordinator)
         else:
             self.planner.set_up_planner(sd, self.coordinator)  # type: ignore[arg-type]
-        if _accepts_kwargs(self.writer.set_up_storage_writer):
-            self.writer.set_up_storage_writer(
-                self.coordinator, rank=self.rank, use_collectives=True
-            )
-        else:
-            self.writer.set_up_storage_writer(self.coordinator)
+        set_up_writer(self.writer, self.coordinator, self.rank)
 
     def step_local_plan(self) -> None:
         assert self.planner is not None and self.writer is not None
@@ -175,12 +186,7 @@ class LoadContext(_Base):
         metadata = self.reader.read_metadata()
         self.slots["metadata"] = metadata
         self.planner.set_up_planner(sd, metadata, self.coordinator)
-        if _accepts_kwargs(self.reader.set_up_storage_reader):
-            self.reader.set_up_storage_reader(
-                metadata, self.coordinator, rank=self.rank, use_collectives=True
-            )
-        else:
-            self.reader.set_up_storage_reader(metadata, self.coordinator)
+        set_up_reader(self.reader, metadata, self.coordinator, self.rank)
 
     def step_local_plan(self) -> None:
         assert self.planner is not None and self.reader is not None
