@@ -104,27 +104,23 @@ def simulate(
     def advance(rk: _Rank) -> None:
         while not rk.done:
             a = rk.action
-            if fault is not None and fault.rank == rk.state.rank and fault.index == rk.index:
+            faulted = fault is not None and fault.rank == rk.state.rank and fault.index == rk.index
+            if faulted and a.kind is not Kind.RAISE:  # a rank already raising just raises
+                assert fault is not None
                 failure = Failure.capture(rk.state.rank, _step_name(a), fault.exc)
-                if a.kind is Kind.RETURN:
-                    rk.done = True
-                    rk.result = CheckpointError(
-                        a.phase, {rk.state.rank: failure}, committed=rk.state.committed
-                    )
-                    rk.log.append(a)
-                    return
-                if a.kind is Kind.RAISE:
-                    rk.done, rk.result = True, a.error
-                    rk.log.append(a)
-                    return
-                feed(rk, Event(On.ERR, failure=failure))
-                continue
-            if a.kind is Kind.RETURN:
-                rk.done, rk.result = True, rk.ctx.result(a.step)
+                if a.kind is not Kind.RETURN:
+                    feed(rk, Event(On.ERR, failure=failure))
+                    continue
+                # after the last action: this rank fails alone, with the commit state it saw
+                rk.done = True
+                rk.result = CheckpointError(
+                    a.phase, {rk.state.rank: failure}, committed=rk.state.committed
+                )
                 rk.log.append(a)
                 return
-            if a.kind is Kind.RAISE:
-                rk.done, rk.result = True, a.error
+            if a.kind in (Kind.RETURN, Kind.RAISE):
+                rk.done = True
+                rk.result = rk.ctx.result(a.step) if a.kind is Kind.RETURN else a.error
                 rk.log.append(a)
                 return
             if a.kind in COLLECTIVES:
