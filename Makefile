@@ -33,7 +33,7 @@ lint:
 	$(BIN)/ruff format --check refdcp conformance
 
 spec-report:
-	$(BIN)/python -m refdcp.spec_report
+	$(BIN)/python -m refdcp.tools.spec_report
 
 bench:
 	$(BIN)/python -m benchmarks.run $(BENCH)

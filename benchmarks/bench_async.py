@@ -87,7 +87,7 @@ def _saver(name: str, root: str) -> tuple[Callable[[dict[str, Any], str], Any], 
 
         return torch_bg, bg.close
 
-    from refdcp.async_save import InFlightLimiter, async_save
+    from refdcp.asyncsave.save import InFlightLimiter, async_save
     from refdcp.staging import CpuStager
 
     limiter = InFlightLimiter(1)
@@ -113,7 +113,7 @@ def _saver(name: str, root: str) -> tuple[Callable[[dict[str, Any], str], Any], 
             bgc.close,
         )
     if name == "refdcp_process_cached_shm":
-        from refdcp.staging.process_executor import shutdown_worker
+        from refdcp.asyncsave.process_executor import shutdown_worker
 
         shm = CpuStager(cache_staged_state_dict=True, share_memory=True, pin_memory=False)
 

@@ -1,7 +1,7 @@
 """Checks, their results, and the ``spec`` decorator that ties each check to a requirement.
 
 Every check cites exactly one requirement of spec/conformance.md (CONF-40);
-``refdcp.spec_report`` finds the ``@spec("CONF-N", ...)`` calls statically.
+``refdcp.tools.spec_report`` finds the ``@spec("CONF-N", ...)`` calls statically.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ CHECKS: list[Check] = []
 def spec(req_id: str, *, title: str, needs: tuple[str, ...] = ()) -> Callable[[CheckFn], CheckFn]:
     """Register the decorated function as a check of requirement ``req_id``.
 
-    Only the ID is positional, so ``refdcp.spec_report`` reads it as a citation.
+    Only the ID is positional, so ``refdcp.tools.spec_report`` reads it as a citation.
     """
 
     def register(fn: CheckFn) -> CheckFn:

@@ -21,7 +21,7 @@ LEVELS_FILE = Path(__file__).with_name("levels.json")
 
 def spec_levels() -> dict[str, str] | None:
     """Requirement ID -> MUST / SHOULD / ..., read from spec/ when it is there."""
-    from refdcp.spec_report import load_spec, repo_root
+    from refdcp.tools.spec_report import load_spec, repo_root
 
     spec_dir = repo_root() / "spec"
     if not (spec_dir / "conformance.md").is_file():

@@ -6,10 +6,10 @@ and stagers, each an implementation of torch's ABC of the same role.
 See ``spec/`` for the requirements every name here is held to.
 """
 
+from refdcp import _moved
 from refdcp.api import load, save
-from refdcp.app_state import AppState
-from refdcp.async_save import AsyncSaveHandle, async_save
-from refdcp.checkpointer import Checkpointer
+from refdcp.asyncsave.checkpointer import Checkpointer
+from refdcp.asyncsave.save import AsyncSaveHandle, async_save
 from refdcp.errors import (
     CheckpointError,
     CommAborted,
@@ -20,6 +20,7 @@ from refdcp.errors import (
 )
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LoadPolicy, LocalShards
 from refdcp.staging import BufferPool, CpuStager, CudaAsyncStager
+from refdcp.state.app_state import AppState
 from refdcp.storage import (
     CorruptionError,
     FileSystemReader,
@@ -29,6 +30,8 @@ from refdcp.storage import (
 )
 
 __version__ = "0.1.0"
+
+_moved.install()
 
 __all__ = [
     "AppState",

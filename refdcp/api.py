@@ -65,7 +65,7 @@ def _default_load_planner() -> LoadPlanner:
 
 def _writer_factory(checkpoint_id: Any) -> Callable[[], StorageWriter]:
     def make() -> StorageWriter:
-        from refdcp.storage_select import select_writer
+        from refdcp.storage.select import select_writer
 
         return select_writer(checkpoint_id)
 
@@ -74,7 +74,7 @@ def _writer_factory(checkpoint_id: Any) -> Callable[[], StorageWriter]:
 
 def _reader_factory(checkpoint_id: Any) -> Callable[[], StorageReader]:
     def make() -> StorageReader:
-        from refdcp.storage_select import select_reader
+        from refdcp.storage.select import select_reader
 
         return select_reader(checkpoint_id)
 

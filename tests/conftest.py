@@ -26,7 +26,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test citing an unknown spec ID fails collection loudly."""
-    from refdcp.spec_report import load_spec, repo_root
+    from refdcp.tools.spec_report import load_spec, repo_root
 
     known, _ = load_spec(repo_root() / "spec")
     for item in items:

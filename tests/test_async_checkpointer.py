@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from refdcp.checkpointer import Checkpointer
+from refdcp.asyncsave.checkpointer import Checkpointer
 from refdcp.staging import CpuStager
 
 
@@ -55,7 +55,7 @@ def test_steady_state_reuses_buffers(tmp_path: Path) -> None:
 @pytest.mark.spec("ASYNC-9", "ASYNC-7")
 @pytest.mark.timeout(180)
 def test_process_executor_checkpointer(tmp_path: Path) -> None:
-    from refdcp.staging.process_executor import shutdown_worker
+    from refdcp.asyncsave.process_executor import shutdown_worker
 
     ck = Checkpointer(no_dist=True, executor="process")
     try:

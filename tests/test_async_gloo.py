@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 
 def _train_and_checkpoint(rank: int, world: int, root: str, iters: int, every: int) -> list[float]:
     """A training loop whose own all_reduce calls interleave with background saves."""
-    from refdcp.async_save import InFlightLimiter, async_save
+    from refdcp.asyncsave.save import InFlightLimiter, async_save
     from refdcp.staging import CpuStager
 
     stager = CpuStager(cache_staged_state_dict=True)
@@ -43,9 +43,9 @@ def _train_and_checkpoint(rank: int, world: int, root: str, iters: int, every: i
 
 
 def _process_executor_rank(rank: int, world: int, root: str) -> int:
-    from refdcp.async_save import InFlightLimiter, async_save
+    from refdcp.asyncsave.process_executor import shutdown_worker
+    from refdcp.asyncsave.save import InFlightLimiter, async_save
     from refdcp.staging import CpuStager
-    from refdcp.staging.process_executor import shutdown_worker
 
     # run_gloo starts its ranks as daemonic processes, which multiprocessing forbids to
     # have children; ranks started by torchrun are not daemonic, so mirror that here.

@@ -10,9 +10,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from refdcp.api import load
-from refdcp.async_save import InFlightLimiter, async_save
+from refdcp.asyncsave.process_executor import shutdown_worker
+from refdcp.asyncsave.save import InFlightLimiter, async_save
 from refdcp.staging import CpuStager
-from refdcp.staging.process_executor import shutdown_worker
 
 
 class BrokenWriter(FileSystemWriter):

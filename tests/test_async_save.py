@@ -1,4 +1,4 @@
-"""refdcp.async_save with the thread executor (spec/staging.md ASYNC-1..ASYNC-5, ASYNC-8, ASYNC-11, ASYNC-12)."""
+"""refdcp.asyncsave.save with the thread executor (spec/staging.md ASYNC-1..ASYNC-5, ASYNC-8, ASYNC-11, ASYNC-12)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from refdcp.api import load, save
-from refdcp.async_save import InFlightLimiter, async_save
+from refdcp.asyncsave.save import InFlightLimiter, async_save
 from refdcp.staging import CpuStager, State
 
 

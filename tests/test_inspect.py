@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from refdcp.inspect_cmd import inspect_checkpoint, inspect_command, load_metadata_safely
+from refdcp.tools.inspect import inspect_checkpoint, inspect_command, load_metadata_safely
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("REFDCP_UPDATE_GOLDEN") == "1"
@@ -185,7 +185,7 @@ def test_missing_path_exit_status(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 @pytest.mark.spec("TOOL-8")
 def test_cli_wiring(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from refdcp.cli import main
+    from refdcp.tools.cli import main
 
     assert main(["inspect", str(ckpt), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["committed"] is True

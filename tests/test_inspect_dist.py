@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from refdcp.inspect_cmd import format_report, inspect_checkpoint
 from refdcp.testing.spawn import run_gloo
+from refdcp.tools.inspect import format_report, inspect_checkpoint
 from tests.test_inspect import check_golden, normalise_json, normalise_text
 
 

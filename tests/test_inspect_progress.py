@@ -1,4 +1,4 @@
-"""refdcp.progress: text fallback and tqdm bar (spec/tooling.md, TOOL-9, TOOL-10)."""
+"""refdcp.tools.progress: text fallback and tqdm bar (spec/tooling.md, TOOL-9, TOOL-10)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from refdcp.progress import Progress, format_bytes
+from refdcp.tools.progress import Progress, format_bytes
 
 
 class FakeClock:

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from refdcp.errors import CheckpointError, Failure, ProtocolError
 from refdcp.protocol import LOAD, SAVE, Event, Kind, On, State
-from refdcp.protocol.diagrams import diagrams_path, render_all
 from refdcp.protocol.machine import IDLE, TERMINAL
+from refdcp.tools.diagrams import diagrams_path, render_all
 
 TABLES = [SAVE, LOAD]
 EVENTS = list(On)
@@ -121,7 +121,7 @@ def test_failure_after_commit_is_reported_as_committed() -> None:
 @pytest.mark.spec("PROTO-8")
 def test_diagrams_are_generated_from_the_tables() -> None:
     committed = diagrams_path().read_text(encoding="utf-8")
-    assert committed == render_all(), "spec/diagrams.md is stale: run python -m refdcp.protocol.diagrams"
+    assert committed == render_all(), "spec/diagrams.md is stale: run python -m refdcp.tools.diagrams"
     for table in TABLES:
         for row in table.rows:
             assert f"{row.phase if row.phase != IDLE else '[*]'} --> {row.next}" in committed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refdcp.spec_report import _ID, load_spec, repo_root, trace
+from refdcp.tools.spec_report import _ID, load_spec, repo_root, trace
 
 
 def test_spec_parses_and_ids_are_unique() -> None:

@@ -66,7 +66,7 @@ def test_side_stream_waits_for_pending_writes() -> None:
 @pytest.mark.spec("STAGE-15")
 def test_cuda_stager_through_async_save(tmp_path: object) -> None:
     from refdcp.api import load
-    from refdcp.async_save import InFlightLimiter, async_save
+    from refdcp.asyncsave.save import InFlightLimiter, async_save
 
     stager = CudaAsyncStager()
     w = torch.randn(256, device="cuda")

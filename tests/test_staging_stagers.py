@@ -170,7 +170,7 @@ def test_random_tensors_roundtrip(
 @pytest.mark.parametrize("cached", [False, True])
 def test_local_shards_stage_their_chunks(tmp_path: Path, cached: bool) -> None:
     import refdcp
-    from refdcp.async_save import async_save
+    from refdcp.asyncsave.save import async_save
 
     a, b = torch.arange(6.0).reshape(2, 3), torch.arange(6.0, 9.0).reshape(1, 3)
     shards = refdcp.LocalShards((4, 3), [((0, 0), a), ((3, 0), b)])
@@ -203,7 +203,7 @@ def test_background_copy_returns_a_future_and_isolates_after_it(
     from concurrent.futures import Future
 
     import refdcp
-    from refdcp.async_save import InFlightLimiter, async_save
+    from refdcp.asyncsave.save import InFlightLimiter, async_save
 
     stager = CpuStager(cache_staged_state_dict=cached, background_copy=True)
     src = {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 3}
@@ -254,7 +254,7 @@ def _dtensor_rank(rank: int, world: int, root: str) -> list[Any]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     import refdcp
-    from refdcp.async_save import InFlightLimiter, async_save
+    from refdcp.asyncsave.save import InFlightLimiter, async_save
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(24.0).reshape(6, 4)

@@ -1,4 +1,4 @@
-"""refdcp.state_dict against torch's DSD on plain models (spec/tooling.md, SD-*)."""
+"""refdcp.state.state_dict against torch's DSD on plain models (spec/tooling.md, SD-*)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as tsd
 
 from refdcp import state_dict as rsd
-from refdcp.app_state import AppState
+from refdcp.state.app_state import AppState
 
 OptFactory = Callable[[Any], torch.optim.Optimizer]
 

@@ -17,7 +17,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
-from refdcp.cli_verify import verify_command
 from refdcp.storage import (
     CorruptionError,
     FileSystemReader,
@@ -29,6 +28,7 @@ from refdcp.storage import (
 )
 from refdcp.storage.items import CRC_ATTR, DATA_OFFSET_ATTR
 from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.tools.verify import verify_command
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from refdcp.trace import render_mermaid, render_text, run_trace, trace_command
+from refdcp.tools.trace import render_mermaid, render_text, run_trace, trace_command
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from refdcp.spec_report import load_spec, repo_root
+from refdcp.tools.spec_report import load_spec, repo_root
 
 TUTORIAL = repo_root() / "docs" / "tutorial.md"
 

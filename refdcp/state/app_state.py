@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from refdcp.state_dict import (
+from refdcp.state.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from refdcp.async_save import AsyncSaveHandle, InFlightLimiter, async_save
+from refdcp.asyncsave.save import AsyncSaveHandle, InFlightLimiter, async_save
 from refdcp.comm.base import Communicator
 from refdcp.staging.cpu_stager import CpuStager
 

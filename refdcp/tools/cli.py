@@ -40,15 +40,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "inspect":
-        from refdcp.inspect_cmd import inspect_command
+        from refdcp.tools.inspect import inspect_command
 
         return inspect_command(args.path, as_json=args.json)
     if args.command == "verify":
-        from refdcp.cli_verify import verify_command
+        from refdcp.tools.verify import verify_command
 
         return verify_command(args.path, json=args.json)
     if args.command == "trace":
-        from refdcp.trace import trace_command
+        from refdcp.tools.trace import trace_command
 
         return trace_command(
             save_world=args.save_world,
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             args.target, json_path=args.json_path, markdown=args.markdown, examples=args.examples
         )
         return code
-    from refdcp.spec_report import main as spec_main
+    from refdcp.tools.spec_report import main as spec_main
 
     return spec_main([])
 

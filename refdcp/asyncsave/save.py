@@ -3,7 +3,7 @@
 The caller is blocked only while the state dict is staged (copied) by the
 stager; the collective save of the snapshot then runs on a background thread
 (``executor="thread"``) or a background process (``executor="process"``, see
-:mod:`refdcp.async_process`). The returned :class:`AsyncSaveHandle` has two
+:mod:`refdcp.asyncsave.process_executor`). The returned :class:`AsyncSaveHandle` has two
 futures: ``staged`` (the source may be mutated now) and ``committed`` (the
 checkpoint is durable; the result is its ``Metadata``).
 """
@@ -207,7 +207,7 @@ def async_save(
     if executor not in ("thread", "process"):
         raise ValueError(f"executor must be 'thread' or 'process', not {executor!r}")
     if executor == "process":
-        from refdcp.staging.process_executor import async_save_process
+        from refdcp.asyncsave.process_executor import async_save_process
 
         return async_save_process(
             state_dict,

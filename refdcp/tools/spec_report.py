@@ -6,7 +6,7 @@ found statically by parsing every ``.py`` file under ``tests/`` and
 literal string arguments. No test is imported or run, so the report is fast
 and independent of the test environment.
 
-``python -m refdcp.spec_report`` prints requirement → tests.
+``python -m refdcp.tools.spec_report`` prints requirement → tests.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Trace:
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def load_spec(spec_dir: Path) -> tuple[dict[str, Requirement], list[str]]:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from refdcp.comm.base import Communicator
 
 if TYPE_CHECKING:
-    from refdcp.async_save import AsyncSaveHandle, InFlightLimiter
+    from refdcp.asyncsave.save import AsyncSaveHandle, InFlightLimiter
 
 __all__ = ["async_save_process", "shutdown_worker"]
 
@@ -209,7 +209,7 @@ def _group_key(process_group: Any, distributed: bool) -> tuple[bool, Any]:
 
 def _dist_info(process_group: Any, timeout_s: float) -> _DistInfo:
     """Agree on a rendezvous address for the workers' own group (collective on the caller)."""
-    from refdcp.async_save import checkpoint_process_group
+    from refdcp.asyncsave.save import checkpoint_process_group
 
     group = checkpoint_process_group(process_group)
     rank = dist.get_rank(group)
@@ -262,7 +262,7 @@ def async_save_process(
     timeout_s: float = 1800.0,
 ) -> AsyncSaveHandle:
     """``async_save`` with ``executor="process"`` (ASYNC-7)."""
-    from refdcp.async_save import async_save
+    from refdcp.asyncsave.save import async_save
 
     if comm is not None:
         raise ValueError(

@@ -1,6 +1,6 @@
 """Mermaid state diagrams generated from the transition tables (PROTO-8).
 
-``python -m refdcp.protocol.diagrams`` rewrites ``spec/diagrams.md``; a test
+``python -m refdcp.tools.diagrams`` rewrites ``spec/diagrams.md``; a test
 fails when the committed file differs from what the tables generate.
 """
 
@@ -18,7 +18,7 @@ __all__ = ["mermaid", "render_all", "main"]
 _HEADER = """# Protocol state diagrams
 
 Generated from the transition tables in `refdcp/protocol/` by
-`python -m refdcp.protocol.diagrams`; do not edit by hand (PROTO-8).
+`python -m refdcp.tools.diagrams`; do not edit by hand (PROTO-8).
 Edge labels read `event [role] / action`. `err` self-loops on collective
 phases mean: a rank that fails before a collective still joins it, sending
 its failure instead of its payload (PROTO-5).
