@@ -16,6 +16,8 @@ SUITES = {
     "planning": "benchmarks.bench_planning",
     "storage": "benchmarks.bench_storage",
     "async": "benchmarks.bench_async",
+    "multirank": "benchmarks.bench_multirank",
+    "scale": "benchmarks.bench_scale",
     "gpu": "benchmarks.bench_gpu_staging",
 }
 
