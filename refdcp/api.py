@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.comm.base import Communicator
+from refdcp.driver.gcpause import gc_paused
 from refdcp.driver.run import FaultHook, Observer, drive
 from refdcp.driver.steps import LoadContext, SaveContext
 from refdcp.protocol.load import LOAD
@@ -116,7 +117,8 @@ def save(
         planner=planner or _default_save_planner(),
         checkpoint_id=checkpoint_id,
     )
-    result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+    with gc_paused():
+        result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
     return result
 
 
@@ -152,4 +154,5 @@ def load(
         checkpoint_id=checkpoint_id,
         verify=verify,
     )
-    drive(LOAD, ctx, c, fault=fault, observer=observer)
+    with gc_paused():
+        drive(LOAD, ctx, c, fault=fault, observer=observer)
