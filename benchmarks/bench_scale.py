@@ -98,17 +98,25 @@ def _local_plans(impl: str, per_rank: list[list[Any]]) -> list[Any]:
     return refdcp_local_plans(per_rank) if impl == "refdcp" else torch_local_plans(per_rank)
 
 
-def measure_once(impl: str, kind: str, ranks: int, items: int) -> dict[str, float]:
-    """Run in the child process: build plans, time one global plan, report figures."""
+def measure_once(impl: str, kind: str, ranks: int, items: int, gc_mode: str) -> dict[str, float]:
+    """Run in the child process: build plans, time one global plan, report figures.
+
+    ``gc_mode`` "as-run" runs each planner as its library's ``save`` does:
+    refdcp's with the cyclic collector paused (API-20), torch's with it on;
+    "on" and "off" force one setting for both.
+    """
     import gc
 
     from torch.distributed.checkpoint import default_planner as tp
 
     from refdcp.planning import DefaultSavePlanner
 
+    if gc_mode == "off" or (gc_mode == "as-run" and impl == "refdcp"):
+        gc.disable()
+
     plans = _local_plans(impl, build_plans(kind, ranks, items))
     planner = DefaultSavePlanner() if impl == "refdcp" else tp.DefaultSavePlanner()
-    gc.collect()
+    gc.collect()  # an explicit collection runs even while automatic collection is paused
     _reset_hwm()
     before = _rss_kib()
     t0 = time.perf_counter()
@@ -123,7 +131,7 @@ def measure_once(impl: str, kind: str, ranks: int, items: int) -> dict[str, floa
     }
 
 
-def _child(impl: str, kind: str, ranks: int, items: int) -> dict[str, float]:
+def _child(impl: str, kind: str, ranks: int, items: int, gc_mode: str) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
@@ -134,6 +142,7 @@ def _child(impl: str, kind: str, ranks: int, items: int) -> dict[str, float]:
             kind,
             str(ranks),
             str(items),
+            gc_mode,
         ],
         capture_output=True,
         text=True,
@@ -158,8 +167,8 @@ def _exponent(xs: list[float], ys: list[float]) -> float:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
-        impl, kind, ranks, items = argv[1], argv[2], int(argv[3]), int(argv[4])
-        print(json.dumps(measure_once(impl, kind, ranks, items)))
+        impl, kind, ranks, items, gc_mode = argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5]
+        print(json.dumps(measure_once(impl, kind, ranks, items, gc_mode)))
         return
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -167,7 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", nargs="+", default=["fsdp", "hsdp"])
     parser.add_argument("--repeats", type=int, default=1, help="runs per implementation and size")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--gc",
+        choices=["as-run", "on", "off"],
+        default="as-run",
+        help="cyclic GC during the call: as each library's save runs it (refdcp pauses it), or forced",
+    )
     args = parser.parse_args(argv)
+    print(f"gc: {args.gc}", flush=True)
 
     rows: list[dict[str, Any]] = []
     print(
@@ -181,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.repeats):
                 order = ("torch", "refdcp") if rep % 2 == 0 else ("refdcp", "torch")
                 for impl in order:
-                    runs[impl].append(_child(impl, kind, ranks, args.items))
+                    runs[impl].append(_child(impl, kind, ranks, args.items, args.gc))
             med = {
                 impl: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                 for impl, rs in runs.items()
