@@ -14,6 +14,7 @@ import time
 
 SUITES = {
     "planning": "benchmarks.bench_planning",
+    "phases": "benchmarks.bench_phases",
     "storage": "benchmarks.bench_storage",
     "async": "benchmarks.bench_async",
     "multirank": "benchmarks.bench_multirank",
