@@ -29,6 +29,7 @@ import pickle
 import struct
 import sys
 import tempfile
+import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -171,12 +172,15 @@ class _Source:
 
     ``structure`` is the nested state dict with every tensor replaced by a
     meta tensor of its dtype and shape; ``read(fqn)`` returns the data of the
-    tensor at flattened key ``fqn`` as a contiguous CPU tensor.
+    tensor at flattened key ``fqn`` as a contiguous CPU tensor, valid until the
+    next ``read`` (sources that copy reuse one buffer the size of the largest
+    tensor, so memory does not depend on how the allocator recycles blocks).
     """
 
     structure: dict[Any, Any]
     flat: dict[str, Any]
     checksums_verified = 0
+    _buffer: torch.Tensor | None = None
 
     def read(self, fqn: str) -> torch.Tensor:
         raise NotImplementedError
@@ -185,7 +189,25 @@ class _Source:
         """Called once ``tensor`` (from ``read``) is written."""
 
     def close(self) -> None:
-        pass
+        self._buffer = None
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the shared read buffer."""
+        nbytes = _tensor_nbytes(shape, dtype)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            largest = max(
+                (
+                    _tensor_nbytes(tuple(v.shape), v.dtype)
+                    for v in self.flat.values()
+                    if isinstance(v, torch.Tensor)
+                ),
+                default=0,
+            )
+            self._buffer = None
+            self._buffer = torch.empty(max(largest, nbytes), dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -274,7 +296,7 @@ class _DcpSource(_Source):
         entry = self.metadata.state_dict_metadata[fqn]
         assert isinstance(entry, TensorStorageMetadata)
         dtype = entry.properties.dtype
-        out = torch.empty(tuple(entry.size), dtype=dtype)
+        out = self._empty(tuple(entry.size), dtype)
         _check_cover(
             fqn, tuple(entry.size), [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
         )
@@ -296,7 +318,16 @@ class _DcpSource(_Source):
             span = _torch_save_span(fd, info, box.dtype, tuple(box.shape))
             if span is None:  # not a plain contiguous tensor archive: decode it whole
                 blob = self._blob(fqn, info)
-                stored = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                try:
+                    stored = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                except Exception as exc:
+                    raise CorruptionError(
+                        f"stored chunk does not load ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0]})",
+                        fqn=fqn,
+                        file=file,
+                        offset=info.offset,
+                    ) from exc
                 if not isinstance(stored, torch.Tensor) or stored.shape != box.shape:
                     raise CorruptionError(
                         f"stored chunk is not a tensor of shape {tuple(box.shape)}",
@@ -340,6 +371,7 @@ class _DcpSource(_Source):
             )
 
     def close(self) -> None:
+        super().close()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -446,12 +478,14 @@ class _ArchiveUnpickler(pickle.Unpickler):
             ("torch._utils", "_rebuild_tensor_v3"),
         ):
             return _TensorStub
-        if (module, name) == ("torch", "UntypedStorage"):
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
             return "UntypedStorage"
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
         if module == "torch" and name.endswith("Storage"):
             return name
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -467,43 +501,60 @@ class _ArchiveUnpickler(pickle.Unpickler):
         return _StorageStub(dtype, str(key), int(numel))
 
 
+class _BlobFile(io.RawIOBase):
+    """A read-only file object over ``length`` bytes at ``offset`` of ``fd`` (one stored item)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.length - self.pos))
+        data = os.pread(self.fd, n, self.offset + self.pos)
+        view[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
 def _torch_save_span(
     fd: int, info: Any, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> tuple[int, int] | None:
     """(offset of the raw data within the item, its zip CRC-32) for a torch.save archive
     holding one contiguous tensor of ``dtype`` and ``shape`` at storage offset 0; None
-    when the archive is anything else (the caller then decodes it with torch.load)."""
-    pos, pkl, data = 0, None, None
-    for _ in range(16):
-        head = os.pread(fd, _LOCAL.size, info.offset + pos)
-        if len(head) < _LOCAL.size:
-            return None
-        sig, _v, _flags, method, _t, _d, crc, csize, size, nlen, xlen = _LOCAL.unpack(head)
-        if sig != _LOCAL_SIG or method != 0:
-            return None
-        name = os.pread(fd, nlen, info.offset + pos + _LOCAL.size)
-        extra = os.pread(fd, xlen, info.offset + pos + _LOCAL.size + nlen)
-        if size == 0xFFFFFFFF or csize == 0xFFFFFFFF:
-            size = _zip64_size(extra)
-            if size is None:
-                return None
-        at = pos + _LOCAL.size + nlen + xlen
-        if name.endswith(b"/data.pkl"):
-            pkl = os.pread(fd, size, info.offset + at)
-        elif name.endswith(b"/byteorder"):
-            if os.pread(fd, size, info.offset + at) != b"little":
-                return None
-        elif name.endswith(b"/data/0"):
-            data = (at, size, crc)
-            break
-        pos = at + size
-        if pos >= info.length:
-            return None
-    if pkl is None or data is None:
-        return None
+    when the archive is anything else (the caller then decodes it with torch.load).
+
+    Only the zip's central directory, ``data.pkl`` (read with an unpickler that knows
+    nothing but the names a tensor needs) and ``byteorder`` are read here."""
     try:
-        obj = _ArchiveUnpickler(io.BytesIO(pkl)).load()
-    except Exception:
+        with zipfile.ZipFile(_BlobFile(fd, info.offset, info.length)) as z:
+            members = {m.filename.split("/", 1)[-1]: m for m in z.infolist()}
+            pkl, data = members.get("data.pkl"), members.get("data/0")
+            order = members.get("byteorder")
+            if pkl is None or data is None or data.compress_type != zipfile.ZIP_STORED:
+                return None
+            if order is not None and z.read(order) != b"little":
+                return None
+            obj = _ArchiveUnpickler(io.BytesIO(z.read(pkl))).load()
+            head = os.pread(fd, _LOCAL.size, info.offset + data.header_offset)
+            fields = _LOCAL.unpack(head)
+            if fields[0] != _LOCAL_SIG:
+                return None
+            start = data.header_offset + _LOCAL.size + fields[9] + fields[10]
+    except (zipfile.BadZipFile, pickle.UnpicklingError, struct.error, ValueError, KeyError):
         return None
     if not isinstance(obj, _TensorStub) or len(obj.args) < 4:
         return None
@@ -514,7 +565,6 @@ def _torch_save_span(
         if not isinstance(obj.args[6], torch.dtype) or storage.numel % obj.args[6].itemsize:
             return None
         storage = _StorageStub(obj.args[6], storage.key, storage.numel // obj.args[6].itemsize)
-    contiguous = _contiguous_strides(shape)
     if (
         not isinstance(storage, _StorageStub)
         or storage.key != "0"
@@ -522,11 +572,11 @@ def _torch_save_span(
         or storage.numel != numel
         or storage_offset != 0
         or tuple(size_) != shape
-        or (numel > 1 and tuple(stride) != contiguous)
-        or data[1] != numel * dtype.itemsize
+        or (numel > 1 and tuple(stride) != _contiguous_strides(shape))
+        or data.file_size != numel * dtype.itemsize
     ):
         return None
-    return data[0], data[2]
+    return start, data.CRC
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -535,16 +585,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
-
-
-def _zip64_size(extra: bytes) -> int | None:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == 1 and n >= 8:
-            return int(struct.unpack_from("<Q", extra, pos + 4)[0])
-        pos += 4 + n
-    return None
 
 
 class _SafetensorsSource(_Source):
@@ -586,12 +626,13 @@ class _SafetensorsSource(_Source):
 
     def read(self, fqn: str) -> torch.Tensor:
         dtype, shape, begin = self.entries[fqn]
-        out = torch.empty(shape, dtype=dtype)
+        out = self._empty(shape, dtype)
         if out.numel():
             _readinto(self.fd, raw_view(out), self.base + begin, fqn, str(self.path))
         return out
 
     def close(self) -> None:
+        super().close()
         os.close(self.fd)
 
 
@@ -740,9 +781,10 @@ def _write_torch_save(src: _Source, dst: Path, progress: Progress, report: Conve
         tensor = src.read(ref.fqn)
         _count(report, tensor)
         storage = tensor.untyped_storage()
-        if tensor.storage_offset() or storage.nbytes() != tensor.nbytes:
-            tensor = tensor.clone()
+        if storage.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor = tensor.contiguous().clone()  # only reads that are not at a buffer's start
             storage = tensor.untyped_storage()
+        # the record is the storage's first nbytes bytes: the tensor (read buffers start at 0)
         writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
         src.release(tensor)
         progress.update(tensor.nbytes)
