@@ -438,3 +438,23 @@ def test_same_helper_sees_differences() -> None:
     assert not same(a, b)
     assert not same({"l": [1]}, {"l": (1,)})
     assert not same(torch.ones(2), torch.ones(2, dtype=torch.float64))
+
+
+@pytest.mark.spec("TOOL-20")
+@pytest.mark.parametrize(
+    ("size", "chunks", "problem"),
+    [
+        ((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))], "overlap"),
+        ((4, 4), [((0, 0), (4, 2)), ((0, 1), (4, 3))], "overlap"),
+        ((4, 4), [((0, 0), (2, 4))], "cover 8 of 16"),
+        ((4, 4), [((0, 0), (2, 4)), ((3, 0), (2, 4))], "outside"),
+        ((), [((), ()), ((), ())], "overlap"),
+    ],
+)
+def test_chunks_that_do_not_tile_the_tensor_are_refused(
+    size: tuple[int, ...], chunks: list[Any], problem: str
+) -> None:
+    """Uncovered elements would be uninitialised memory in the output: refuse them."""
+    with pytest.raises(ConvertError, match=problem):
+        cv._check_cover("w", size, chunks)
+    cv._check_cover("w", (4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))])  # a tiling is fine

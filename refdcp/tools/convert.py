@@ -328,9 +328,13 @@ class _DcpSource(_Source):
                         file=file,
                         offset=info.offset,
                     ) from exc
-                if not isinstance(stored, torch.Tensor) or stored.shape != box.shape:
+                if (
+                    not isinstance(stored, torch.Tensor)
+                    or stored.shape != box.shape
+                    or stored.dtype != box.dtype
+                ):
                     raise CorruptionError(
-                        f"stored chunk is not a tensor of shape {tuple(box.shape)}",
+                        f"stored chunk is not a {box.dtype} tensor of shape {tuple(box.shape)}",
                         fqn=fqn,
                         file=file,
                         offset=info.offset,
@@ -390,14 +394,15 @@ def _check_cover(
                 f"{fqn}: chunk at {list(offsets)} of {list(sizes)} lies outside {list(size)}"
             )
         total += math.prod(sizes)
-    for i, (oa, sa) in enumerate(chunks):
-        for ob, sb in chunks[i + 1 :]:
-            if (
-                math.prod(sa)
-                and math.prod(sb)
-                and all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb))
-            ):
+    # a sweep along dimension 0: only chunks whose row ranges meet can overlap
+    boxes = sorted((c for c in chunks if math.prod(c[1])), key=lambda c: c[0][:1])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for ob, sb in boxes:
+        active = [a for a in active if not size or a[0][0] + a[1][0] > ob[0]]
+        for oa, sa in active:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
                 raise ConvertError(f"{fqn}: saved chunks at {list(oa)} and {list(ob)} overlap")
+        active.append((ob, sb))
     if total != math.prod(size):
         raise ConvertError(f"{fqn}: the saved chunks cover {total} of {math.prod(size)} elements")
 
