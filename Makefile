@@ -1,4 +1,5 @@
-# refdcp developer commands.  `make setup` then `make test` is all a new machine needs.
+# refdcp developer commands.  `make demo` (sets up if needed, then runs the main job) and
+# `make test` are all a new machine needs.
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -6,7 +7,7 @@ PYTEST  := $(BIN)/python -m pytest
 TORCH   := torch==2.13.0
 WORKERS ?= 2
 
-.PHONY: setup test test-thorough test-gpu typecheck lint spec-report bench conformance conformance-s3 clean
+.PHONY: setup demo test test-thorough test-gpu typecheck lint spec-report bench conformance conformance-s3 clean
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -15,6 +16,16 @@ setup:
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	echo "$(TORCH)" > $(VENV)/constraints.txt
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
+	touch $(VENV)/.setup-done
+
+# The main job on embedded defaults (refdcp/tools/demo.py): save at 4 fake ranks, load at 3
+# with the step-by-step trace, verify, inspect, conformance; non-zero exit if a step fails.
+demo: $(VENV)/.setup-done
+	$(BIN)/python -m refdcp.tools.demo
+
+# set up only when no completed setup is there
+$(VENV)/.setup-done:
+	$(MAKE) setup
 
 test:
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -n $(WORKERS) -m "not slow and not gpu" -q

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark, refdcp beside torch DCP in one run, reported as ratios.
 
-``python -m benchmarks.run [planning] [storage] [async] [-- OPTIONS]`` runs the
+``python -m benchmarks.run [planning] [storage] [async] [convert] [-- OPTIONS]`` runs the
 named ones (all by default); options after ``--`` go to each benchmark's own
 parser (e.g. ``-- --trials 5``). Each module's ``main()`` prints its own table. Timings are
 never asserted: they are measurements to read, not tests.
@@ -20,6 +20,7 @@ SUITES = {
     "multirank": "benchmarks.bench_multirank",
     "scale": "benchmarks.bench_scale",
     "gpu": "benchmarks.bench_gpu_staging",
+    "convert": "benchmarks.bench_convert",
 }
 
 

@@ -25,6 +25,7 @@ SECTIONS = (
     "## 4. Commit: all or nothing",
     "## 5. Resharding: save at 4 ranks, load at 2",
     "## 6. Async staging",
+    "## 7. DTensors on a real process group",
 )
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
@@ -50,7 +51,7 @@ def _sections(text: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.spec("TUT-1")
+@pytest.mark.spec("TUT-1", "TUT-4")
 def test_tutorial_blocks_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = python_blocks(_text())
     assert len(blocks) >= 6
@@ -107,3 +108,15 @@ def test_tutorial_cites_only_known_requirements() -> None:
     cited = set(_SPEC_ID.findall(_text()))
     assert cited, "the tutorial cites no requirement"
     assert not sorted(cited - set(known)), f"unknown spec IDs: {sorted(cited - set(known))}"
+
+
+@pytest.mark.spec("TUT-4")
+def test_dtensor_section_saves_on_a_2d_mesh_and_loads_at_another_world_size() -> None:
+    body = _sections(_text())["## 7. DTensors on a real process group"]
+    code = "\n".join(c for _, c in python_blocks(body))
+    assert 'init_device_mesh("cpu", (2, 2)' in code  # a 2-D mesh ...
+    assert "Shard(0)" in code and "Shard(1)" in code and "Replicate()" in code
+    worlds = [int(n) for n in re.findall(r"run_gloo\((\d+),", code)]
+    assert worlds and worlds[0] == 4 and max(worlds) <= 4  # ... of 4 Gloo processes, at most
+    assert any(w != worlds[0] for w in worlds[1:])  # loaded at another world size
+    assert "full_tensor()" in code and "no_dist=True" in code

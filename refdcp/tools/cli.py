@@ -1,11 +1,33 @@
-"""The ``refdcp`` command line: inspect, verify, trace, conformance, spec (spec/tooling.md)."""
+"""The ``refdcp`` command line: inspect, verify, trace, conformance, spec, convert, demo (spec/tooling.md)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 __all__ = ["main"]
+
+#: The largest world ``refdcp trace`` accepts: it prints every rank's plan (and
+#: ``--format mermaid`` draws every all-gather's world x world messages).
+MAX_TRACE_WORLD = 64
+
+
+def _int_between(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int in [lo, hi], else a usage error (exit 2), never a traceback (TOOL-23)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,9 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true")
 
     tr = sub.add_parser("trace", help="watch a save and a load across fake ranks, step by step")
-    tr.add_argument("--save-world", type=int, default=4)
-    tr.add_argument("--load-world", type=int, default=2)
-    tr.add_argument("--format", choices=["text", "mermaid"], default="text")
+    world = _int_between(1, MAX_TRACE_WORLD)
+    tr.add_argument("--save-world", type=world, default=4, help="ranks that save (1..64)")
+    tr.add_argument("--load-world", type=world, default=2, help="ranks that load (1..64)")
+    tr.add_argument(
+        "--format",
+        choices=["text", "mermaid", "markdown"],
+        default="text",
+        help="text; mermaid: a .mmd sequence diagram; markdown: the diagram in a ```mermaid block",
+    )
     tr.add_argument("--no-dedup", action="store_true", help="do not deduplicate replicated items")
     tr.add_argument("--sharding", choices=["rows", "cols", "replicated"], default="rows")
 
@@ -31,9 +59,37 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("target", help="module:attribute naming the backend object")
     conf.add_argument("--json", dest="json_path", default=None, help="write the JSON report here")
     conf.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    conf.add_argument("--examples", type=int, default=10, help="hypothesis examples per check")
+    conf.add_argument(
+        "--examples", type=_int_between(1), default=10, help="hypothesis examples per check"
+    )
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")
+
+    cv = sub.add_parser(
+        "convert",
+        help="convert between DCP, torch.save and safetensors, one tensor in memory at a time",
+        description="Formats come from the paths: a directory is DCP, .safetensors is "
+        "safetensors, .pt/.pth/.bin/.ckpt is torch.save; a destination without one of "
+        "these extensions is a DCP directory. --from/--to override.",
+    )
+    cv.add_argument("src", help="checkpoint to read")
+    cv.add_argument("dst", help="where to write the converted checkpoint")
+    formats = ["dcp", "torch", "safetensors"]
+    cv.add_argument("--from", dest="src_format", choices=formats, default=None)
+    cv.add_argument("--to", dest="dst_format", choices=formats, default=None)
+    cv.add_argument(
+        "--drop-non-tensors",
+        action="store_true",
+        help="to safetensors: leave out non-tensor values (listed) instead of refusing",
+    )
+    cv.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+
+    dm = sub.add_parser(
+        "demo", help="the main job on embedded defaults: save, reshard, verify, inspect, conform"
+    )
+    dm.add_argument("--save-world", type=_int_between(1, 8), default=4, help="1..8 (default 4)")
+    dm.add_argument("--load-world", type=_int_between(1, 8), default=3, help="1..8 (default 3)")
+    dm.add_argument("--keep", metavar="DIR", default=None, help="work in DIR and keep it")
     return p
 
 
@@ -64,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
             args.target, json_path=args.json_path, markdown=args.markdown, examples=args.examples
         )
         return code
+    if args.command == "convert":
+        from refdcp.tools.convert import convert_command
+
+        return convert_command(
+            args.src,
+            args.dst,
+            src_format=args.src_format,
+            dst_format=args.dst_format,
+            drop_non_tensors=args.drop_non_tensors,
+            overwrite=args.overwrite,
+        )
+    if args.command == "demo":
+        from refdcp.tools.demo import demo_command
+
+        return demo_command(save_world=args.save_world, load_world=args.load_world, keep=args.keep)
     from refdcp.tools.spec_report import main as spec_main
 
     return spec_main([])

@@ -37,7 +37,15 @@ from refdcp.planning.global_metadata import build_state_dict_metadata
 from refdcp.protocol import LOAD, SAVE, Kind
 from refdcp.storage.memory import MemoryStorage
 
-__all__ = ["TraceResult", "run_trace", "render_text", "render_mermaid", "trace_command"]
+__all__ = [
+    "FORMATS",
+    "TraceResult",
+    "render_mermaid",
+    "render_text",
+    "run_trace",
+    "step_label",
+    "trace_command",
+]
 
 SHARDINGS = ("rows", "cols", "replicated")
 _EMBED = (8, 4)
@@ -183,6 +191,9 @@ def run_trace(
     """Save at ``save_world`` ranks, load at ``load_world``, and record everything (TRACE-1)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}")
+    for name, world in (("save_world", save_world), ("load_world", load_world)):
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {world!r}")
     store = MemoryStorage()
     res = TraceResult(save_world, load_world, sharding, dedup)
     planner_cls = DefaultSavePlanner if dedup else _NoDedupPlanner
@@ -269,10 +280,19 @@ def _write_item(it: WriteItem) -> str:
     )
 
 
+def step_label(rec: StepRecord) -> str:
+    """A step's honest name (TRACE-10): a local step by its name, a collective by its kind
+    and what it carries, e.g. ``all_gather(read_outcome)``: every rank receives every
+    rank's outcome, so every rank learns of every failure."""
+    if rec.kind is Kind.LOCAL:
+        return rec.step
+    return f"{rec.kind.value}({rec.step})" if rec.step else rec.kind.value
+
+
 def _steps(records: list[StepRecord], world: int) -> list[str]:
     out = []
     for r in range(world):
-        seq = [f"{rec.phase}:{rec.outcome.value}" for rec in records if rec.rank == r]
+        seq = [f"{step_label(rec)}:{rec.outcome.value}" for rec in records if rec.rank == r]
         out.append(f"  rank {r}: " + " -> ".join(seq))
     return out
 
@@ -292,13 +312,16 @@ def _read_item(md: Metadata, ri: ReadItem) -> str:
     )
 
 
+_STEPS_HEADER = "protocol steps (step:outcome; a collective shows as kind(what it carries)):"
+
+
 def render_text(res: TraceResult) -> str:
     lines = [
         f"refdcp trace: save at world {res.save_world}, load at world {res.load_world} "
         f"(sharding={res.sharding}, dedup={'on' if res.dedup else 'off'})",
         "",
         "== SAVE ==",
-        "protocol steps (phase:outcome):",
+        _STEPS_HEADER,
         *_steps(res.save_steps, res.save_world),
         "",
         "local plans (every rank plans every chunk it holds):",
@@ -346,8 +369,11 @@ def render_text(res: TraceResult) -> str:
     lines += [
         "",
         "== LOAD ==",
-        "protocol steps (phase:outcome):",
+        _STEPS_HEADER,
         *_steps(res.load_steps, res.load_world),
+        "  (gather: rank 0 receives; scatter, broadcast: rank 0 sends; all_gather: every rank",
+        "   receives every rank's outcome, so a failed read or apply on any rank makes every",
+        "   rank raise, and no rank applies a partial load)",
     ]
     lines += ["", "read boxes (saved chunks resharded onto each rank's layout):"]
     for r, load_plan in enumerate(res.read_plans):
@@ -357,10 +383,16 @@ def render_text(res: TraceResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_mermaid(res: TraceResult) -> str:
-    """A mermaid sequence diagram of the save and the load (TRACE-5)."""
+def render_mermaid(res: TraceResult, *, markdown: bool = False) -> str:
+    """A mermaid sequence diagram of the save and the load (TRACE-5, TRACE-11, TRACE-12).
+
+    Plain mermaid source (a valid ``.mmd`` file) unless ``markdown`` wraps it
+    in a fenced block. Every collective is drawn as the messages it really
+    exchanges: gathers go to the coordinator, scatters and broadcasts come from
+    it, and an all-gather sends every rank's value to every other rank.
+    """
     world = max(res.save_world, res.load_world)
-    lines = ["```mermaid", "sequenceDiagram"]
+    lines = ["sequenceDiagram"]
     lines += [f"    participant R{r} as rank {r}" for r in range(world)]
     lines.append("    participant S as storage")
     for title, records, w in (
@@ -371,23 +403,36 @@ def render_mermaid(res: TraceResult) -> str:
             continue
         lines.append(f"    Note over R0,S: {title} at world {w}")
         done: set[tuple[str, int]] = set()
+        noted: set[str] = set()
         for rec in records:
             key = (rec.phase, rec.rank)
             if key in done:
                 continue
             done.add(key)
-            me = f"R{rec.rank}"
+            me, label = f"R{rec.rank}", step_label(rec)
             if rec.kind is Kind.LOCAL:
                 target = "S" if rec.step in ("write", "read", "commit") else me
                 lines.append(f"    {me}->>{target}: {rec.step} ({rec.outcome.value})")
-            elif rec.kind in (Kind.GATHER, Kind.ALL_GATHER) and rec.rank != 0:
-                lines.append(f"    {me}->>R0: {rec.phase}")
+            elif rec.kind is Kind.ALL_GATHER:
+                if rec.phase not in noted:
+                    noted.add(rec.phase)
+                    span = "R0" if w == 1 else f"R0,R{w - 1}"
+                    lines.append(
+                        f"    Note over {span}: {label}: every rank receives every rank's "
+                        f"{rec.step}"
+                    )
+                lines += [f"    {me}->>R{o}: {label}" for o in range(w) if o != rec.rank]
+            elif rec.kind is Kind.GATHER and rec.rank != 0:
+                lines.append(f"    {me}->>R0: {label}")
             elif rec.kind in (Kind.SCATTER, Kind.BROADCAST) and rec.rank != 0:
-                lines.append(f"    R0->>{me}: {rec.phase}")
+                lines.append(f"    R0->>{me}: {label}")
         if title == "save" and res.save_error is not None:
             lines.append("    Note over R0: global plan refused: overlapping replicas")
-    lines.append("```")
-    return "\n".join(lines) + "\n"
+    body = "\n".join(lines) + "\n"
+    return f"```mermaid\n{body}```\n" if markdown else body
+
+
+FORMATS = ("text", "mermaid", "markdown")
 
 
 def trace_command(
@@ -399,7 +444,12 @@ def trace_command(
     sharding: str = "rows",
     out: TextIO | None = None,
 ) -> int:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     stream = out or sys.stdout
     res = run_trace(save_world, load_world, sharding, dedup)
-    stream.write(render_mermaid(res) if fmt == "mermaid" else render_text(res))
+    if fmt == "text":
+        stream.write(render_text(res))
+    else:
+        stream.write(render_mermaid(res, markdown=fmt == "markdown"))
     return 0 if (res.save_error is None and res.verified) or not dedup else 1

@@ -1,0 +1,1027 @@
+"""``refdcp convert SRC DST``: DCP <-> torch.save <-> safetensors, streaming (TOOL-18..22).
+
+One tensor is in memory at a time: every source is read tensor by tensor
+(DCP chunks and safetensors data with ``preadv`` straight into the
+destination tensor; a ``torch.save`` file through ``torch.load(mmap=True)``,
+dropping each tensor's pages once it is written) and every sink writes a
+tensor as soon as it has it (torch.save through torch's own zip writer, a
+DCP checkpoint through refdcp's item encoding and ``FileSystemWriter.finish``,
+safetensors written by this module). Bytes are copied, never converted, so
+every dtype survives bit for bit. What a format cannot hold (a non-tensor
+value in safetensors, a dtype safetensors has no name for) is refused before
+anything is written.
+
+The safetensors format (an 8-byte little-endian header length, a JSON header,
+then the raw bytes) is written and read here rather than by the
+``safetensors`` package, whose ``save_file`` needs every tensor in memory at
+once; the tests use the package as an independent oracle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import math
+import mmap
+import os
+import pickle
+import struct
+import sys
+import tempfile
+import zipfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import crc32c
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from refdcp.errors import RefdcpError
+from refdcp.planning.flatten import (
+    RESERVED_KEY,
+    decode_structure,
+    flatten_state_dict,
+    unflatten_state_dict,
+)
+from refdcp.storage.errors import CorruptionError
+from refdcp.storage.items import (
+    checksum_of,
+    data_offset_of,
+    encode_bytes,
+    encode_tensor,
+    make_storage_info,
+    raw_view,
+)
+from refdcp.tools.progress import Progress
+
+__all__ = [
+    "FORMATS",
+    "SAFETENSORS_DTYPES",
+    "ConvertError",
+    "ConvertReport",
+    "convert",
+    "convert_command",
+    "detect_format",
+]
+
+FORMATS = ("dcp", "torch", "safetensors")
+#: File extensions that name a format when ``--to``/``--from`` is not given (TOOL-18).
+EXTENSIONS = {
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",
+    ".ckpt": "torch",
+    ".safetensors": "safetensors",
+}
+#: safetensors' dtype names (the format's spec), torch dtype -> name.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+}
+_SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+#: Bound on the scratch buffer used to scatter a DCP chunk into a strided box.
+_SCRATCH_BYTES = 4 << 20
+_MADV_DONTNEED = 4
+
+
+class ConvertError(RefdcpError):
+    """A conversion that cannot be done faithfully; nothing was written (TOOL-21)."""
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did: formats, counts, bytes, and what was left out."""
+
+    src: str
+    dst: str
+    src_format: str
+    dst_format: str
+    tensors: int = 0
+    objects: int = 0
+    tensor_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    dropped: list[str] = field(default_factory=list)
+    checksums_verified: int = 0
+
+
+def _tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+# --- format detection ----------------------------------------------------------------------
+
+
+def detect_format(path: str | os.PathLike[str], *, existing: bool) -> str:
+    """The format a path names (TOOL-18).
+
+    An existing directory is DCP; otherwise the extension decides
+    (``.safetensors``; ``.pt``/``.pth``/``.bin``/``.ckpt`` for torch.save); a
+    destination without a known extension is a DCP directory. An existing
+    source file of unknown extension is sniffed (zip -> torch.save).
+    """
+    p = Path(path)
+    if p.is_dir():
+        return "dcp"
+    fmt = EXTENSIONS.get(p.suffix.lower())
+    if fmt is not None:
+        return fmt
+    if existing and p.is_file():
+        with open(p, "rb") as f:
+            head = f.read(4)
+        if head == b"PK\x03\x04":
+            return "torch"
+        raise ConvertError(f"{p}: cannot tell its format from its name; pass --from")
+    if existing:
+        raise ConvertError(f"{p}: no such file or directory")
+    return "dcp"
+
+
+# --- sources ---------------------------------------------------------------------------------
+
+
+class _Source:
+    """A checkpoint read tensor by tensor.
+
+    ``structure`` is the nested state dict with every tensor replaced by a
+    meta tensor of its dtype and shape; ``read(fqn)`` returns the data of the
+    tensor at flattened key ``fqn`` as a contiguous CPU tensor, valid until the
+    next ``read`` (sources that copy reuse one buffer the size of the largest
+    tensor, so memory does not depend on how the allocator recycles blocks).
+    """
+
+    structure: dict[Any, Any]
+    flat: dict[str, Any]
+    checksums_verified = 0
+    _buffer: torch.Tensor | None = None
+
+    def read(self, fqn: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Called once ``tensor`` (from ``read``) is written."""
+
+    def close(self) -> None:
+        self._buffer = None
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the shared read buffer."""
+        nbytes = _tensor_nbytes(shape, dtype)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            largest = max(
+                (
+                    _tensor_nbytes(tuple(v.shape), v.dtype)
+                    for v in self.flat.values()
+                    if isinstance(v, torch.Tensor)
+                ),
+                default=0,
+            )
+            self._buffer = None
+            self._buffer = torch.empty(max(largest, nbytes), dtype=torch.uint8)
+        return self._buffer[:nbytes].view(dtype).view(shape)
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+class _DcpSource(_Source):
+    """A DCP directory (torch's or refdcp's FileSystemWriter layout)."""
+
+    def __init__(self, path: Path) -> None:
+        from refdcp.storage.safe_metadata import load_metadata
+
+        self.path = path
+        md_file = path / ".metadata"
+        if not md_file.is_file():
+            raise ConvertError(f"{path}: no .metadata: not a committed DCP checkpoint")
+        self.metadata: Metadata = load_metadata(md_file.read_bytes(), file=str(md_file))
+        storage = self.metadata.storage_data
+        if not isinstance(storage, Mapping):
+            raise ConvertError(f"{path}: .metadata has no storage records")
+        self.storage: Mapping[MetadataIndex, Any] = storage
+        self._fds: dict[str, int] = {}
+        items: dict[str, Any] = {}
+        for fqn, entry in self.metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                items[fqn] = _meta(tuple(entry.size), entry.properties.dtype)
+            elif isinstance(entry, BytesStorageMetadata):
+                items[fqn] = self._load_object(fqn)
+            else:
+                raise ConvertError(f"{fqn}: unknown metadata entry {type(entry).__name__}")
+        planner_data = self.metadata.planner_data or {}
+        paths = {fqn: tuple(planner_data.get(fqn) or (fqn,)) for fqn in items}
+        extra = planner_data.get(RESERVED_KEY)
+        rich, empties = decode_structure(paths, extra if isinstance(extra, Mapping) else None)
+        self.flat = items
+        self.structure = unflatten_state_dict(items, rich, empties)
+
+    def _fd(self, relative_path: str) -> int:
+        fd = self._fds.get(relative_path)
+        if fd is None:
+            fd = os.open(self.path / relative_path, os.O_RDONLY)
+            self._fds[relative_path] = fd
+        return fd
+
+    def _info(self, fqn: str, offset: Any) -> Any:
+        info = self.storage.get(MetadataIndex(fqn, offset))
+        if info is None:
+            raise CorruptionError(
+                "no storage record for this item", fqn=fqn, file=".metadata", offset=0
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise ConvertError(
+                f"{fqn}: stored with stream transforms {info.transform_descriptors}, "
+                "which refdcp convert does not decode"
+            )
+        return info
+
+    def _blob(self, fqn: str, info: Any) -> bytes:
+        fd = self._fd(info.relative_path)
+        blob = os.pread(fd, info.length, info.offset)
+        if len(blob) != info.length:
+            raise CorruptionError(
+                "data file truncated", fqn=fqn, file=info.relative_path, offset=info.offset
+            )
+        expected = checksum_of(info)
+        if expected is not None:
+            if crc32c.crc32c(blob) != expected:
+                raise CorruptionError(
+                    "checksum mismatch", fqn=fqn, file=info.relative_path, offset=info.offset
+                )
+            self.checksums_verified += 1
+        return blob
+
+    def _load_object(self, fqn: str) -> Any:
+        info = self._info(fqn, None)
+        blob = self._blob(fqn, info)
+        try:
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ConvertError(
+                f"{fqn}: the stored object does not load with weights_only=True "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            ) from exc
+
+    def read(self, fqn: str) -> torch.Tensor:
+        entry = self.metadata.state_dict_metadata[fqn]
+        assert isinstance(entry, TensorStorageMetadata)
+        dtype = entry.properties.dtype
+        out = self._empty(tuple(entry.size), dtype)
+        _check_cover(
+            fqn, tuple(entry.size), [(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks]
+        )
+        for chunk in entry.chunks:
+            info = self._info(fqn, chunk.offsets)
+            box = out
+            for dim, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                box = box.narrow(dim, int(o), int(n))
+            self._read_chunk(fqn, info, box)
+        return out
+
+    def _read_chunk(self, fqn: str, info: Any, box: torch.Tensor) -> None:
+        nbytes = box.numel() * box.element_size()
+        fd = self._fd(info.relative_path)
+        file = info.relative_path
+        start = data_offset_of(info)
+        zip_crc: int | None = None
+        if start is None:
+            span = _torch_save_span(fd, info, box.dtype, tuple(box.shape))
+            if span is None:  # not a plain contiguous tensor archive: decode it whole
+                blob = self._blob(fqn, info)
+                try:
+                    stored = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                except Exception as exc:
+                    raise CorruptionError(
+                        f"stored chunk does not load ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0]})",
+                        fqn=fqn,
+                        file=file,
+                        offset=info.offset,
+                    ) from exc
+                if (
+                    not isinstance(stored, torch.Tensor)
+                    or stored.shape != box.shape
+                    or stored.dtype != box.dtype
+                ):
+                    raise CorruptionError(
+                        f"stored chunk is not a {box.dtype} tensor of shape {tuple(box.shape)}",
+                        fqn=fqn,
+                        file=file,
+                        offset=info.offset,
+                    )
+                box.copy_(stored)
+                return
+            start, zip_crc = span
+        if start + nbytes > info.length:
+            raise CorruptionError(
+                f"item of {info.length} bytes cannot hold {nbytes} bytes of data at {start}",
+                fqn=fqn,
+                file=file,
+                offset=info.offset,
+            )
+        expected = checksum_of(info)
+        crc = 0
+        if expected is not None:
+            crc = crc32c.crc32c(_pread_exact(fd, start, info.offset, fqn, file))
+        hashes: list[Callable[[memoryview], None]] = []
+        state = {"crc": crc, "zip": 0}
+        if expected is not None:
+            hashes.append(lambda mv: state.__setitem__("crc", crc32c.crc32c(mv, state["crc"])))
+        if zip_crc:
+            hashes.append(lambda mv: state.__setitem__("zip", zlib.crc32(mv, state["zip"])))
+        _read_box(fd, info.offset + start, box, fqn, file, hashes)
+        if expected is not None:
+            tail_at = info.offset + start + nbytes
+            tail = _pread_exact(fd, info.length - start - nbytes, tail_at, fqn, file)
+            if crc32c.crc32c(tail, state["crc"]) != expected:
+                raise CorruptionError("checksum mismatch", fqn=fqn, file=file, offset=info.offset)
+            self.checksums_verified += 1
+        if zip_crc and state["zip"] != zip_crc:
+            raise CorruptionError(
+                "zip CRC-32 of the tensor data does not match",
+                fqn=fqn,
+                file=file,
+                offset=info.offset,
+            )
+
+    def close(self) -> None:
+        super().close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _check_cover(
+    fqn: str, size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> None:
+    """The saved chunks tile the tensor exactly: inside it, disjoint, covering it."""
+    total = 0
+    for offsets, sizes in chunks:
+        if len(offsets) != len(size) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, size)
+        ):
+            raise ConvertError(
+                f"{fqn}: chunk at {list(offsets)} of {list(sizes)} lies outside {list(size)}"
+            )
+        total += math.prod(sizes)
+    # a sweep along dimension 0: only chunks whose row ranges meet can overlap
+    boxes = sorted((c for c in chunks if math.prod(c[1])), key=lambda c: c[0][:1])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for ob, sb in boxes:
+        active = [a for a in active if not size or a[0][0] + a[1][0] > ob[0]]
+        for oa, sa in active:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)):
+                raise ConvertError(f"{fqn}: saved chunks at {list(oa)} and {list(ob)} overlap")
+        active.append((ob, sb))
+    if total != math.prod(size):
+        raise ConvertError(f"{fqn}: the saved chunks cover {total} of {math.prod(size)} elements")
+
+
+def _pread_exact(fd: int, n: int, offset: int, fqn: str, file: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise CorruptionError("data file truncated", fqn=fqn, file=file, offset=offset + len(data))
+    return data
+
+
+def _readinto(fd: int, view: memoryview, offset: int, fqn: str, file: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptionError("data file truncated", fqn=fqn, file=file, offset=offset + done)
+        done += n
+
+
+def _read_box(
+    fd: int,
+    offset: int,
+    box: torch.Tensor,
+    fqn: str,
+    file: str,
+    hashes: list[Callable[[memoryview], None]],
+) -> int:
+    """Fill ``box`` from row-major bytes at ``offset``, with at most a bounded scratch buffer."""
+    nbytes = box.numel() * box.element_size()
+    if nbytes == 0:
+        return 0
+    if box.is_contiguous():
+        view = raw_view(box)
+        _readinto(fd, view, offset, fqn, file)
+        for h in hashes:
+            h(view)
+        return nbytes
+    if nbytes <= _SCRATCH_BYTES:
+        scratch = torch.empty(box.shape, dtype=box.dtype)
+        view = raw_view(scratch)
+        _readinto(fd, view, offset, fqn, file)
+        for h in hashes:
+            h(view)
+        box.copy_(scratch)
+        return nbytes
+    row = nbytes // box.shape[0]
+    step = max(1, _SCRATCH_BYTES // row)
+    done = 0
+    for i in range(0, box.shape[0], step):
+        part = box[i] if step == 1 else box[i : i + step]
+        done += _read_box(fd, offset + done, part, fqn, file, hashes)
+    return done
+
+
+# torch.save archives inside DCP files: find the raw data of a plain tensor ---------------------
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIG = 0x04034B50
+
+
+class _StorageStub:
+    def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
+        self.dtype, self.key, self.numel = dtype, key, numel
+
+
+class _TensorStub:
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+class _ArchiveUnpickler(pickle.Unpickler):
+    """Reads a torch.save data.pkl without running anything: only the names a tensor needs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in (
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_tensor_v3"),
+        ):
+            return _TensorStub
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return "UntypedStorage"
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage" or not isinstance(storage_type, str):
+            raise pickle.UnpicklingError(repr(pid))
+        if storage_type == "UntypedStorage":
+            return _StorageStub(torch.uint8, str(key), int(numel))
+        legacy = getattr(torch, storage_type, None)
+        dtype = getattr(legacy, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(storage_type)
+        return _StorageStub(dtype, str(key), int(numel))
+
+
+class _BlobFile(io.RawIOBase):
+    """A read-only file object over ``length`` bytes at ``offset`` of ``fd`` (one stored item)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self.length - self.pos))
+        data = os.pread(self.fd, n, self.offset + self.pos)
+        view[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _torch_save_span(
+    fd: int, info: Any, dtype: torch.dtype, shape: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """(offset of the raw data within the item, its zip CRC-32) for a torch.save archive
+    holding one contiguous tensor of ``dtype`` and ``shape`` at storage offset 0; None
+    when the archive is anything else (the caller then decodes it with torch.load).
+
+    Only the zip's central directory, ``data.pkl`` (read with an unpickler that knows
+    nothing but the names a tensor needs) and ``byteorder`` are read here."""
+    try:
+        with zipfile.ZipFile(_BlobFile(fd, info.offset, info.length)) as z:
+            members = {m.filename.split("/", 1)[-1]: m for m in z.infolist()}
+            pkl, data = members.get("data.pkl"), members.get("data/0")
+            order = members.get("byteorder")
+            if pkl is None or data is None or data.compress_type != zipfile.ZIP_STORED:
+                return None
+            if order is not None and z.read(order) != b"little":
+                return None
+            obj = _ArchiveUnpickler(io.BytesIO(z.read(pkl))).load()
+            head = os.pread(fd, _LOCAL.size, info.offset + data.header_offset)
+            fields = _LOCAL.unpack(head)
+            if fields[0] != _LOCAL_SIG:
+                return None
+            start = data.header_offset + _LOCAL.size + fields[9] + fields[10]
+    except (zipfile.BadZipFile, pickle.UnpicklingError, struct.error, ValueError, KeyError):
+        return None
+    if not isinstance(obj, _TensorStub) or len(obj.args) < 4:
+        return None
+    storage, storage_offset, size_, stride = obj.args[:4]
+    numel = math.prod(shape)
+    if isinstance(storage, _StorageStub) and storage.dtype == torch.uint8 and len(obj.args) >= 7:
+        # _rebuild_tensor_v3: an untyped storage (numel in bytes) and the dtype as an argument
+        if not isinstance(obj.args[6], torch.dtype) or storage.numel % obj.args[6].itemsize:
+            return None
+        storage = _StorageStub(obj.args[6], storage.key, storage.numel // obj.args[6].itemsize)
+    if (
+        not isinstance(storage, _StorageStub)
+        or storage.key != "0"
+        or storage.dtype != dtype
+        or storage.numel != numel
+        or storage_offset != 0
+        or tuple(size_) != shape
+        or (numel > 1 and tuple(stride) != _contiguous_strides(shape))
+        or data.file_size != numel * dtype.itemsize
+    ):
+        return None
+    return start, data.CRC
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _SafetensorsSource(_Source):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        raw = os.pread(self.fd, 8, 0)
+        if len(raw) != 8:
+            raise ConvertError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100 << 20:
+            raise ConvertError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(os.pread(self.fd, n, 8))
+        except ValueError as exc:
+            raise ConvertError(f"{path}: header is not JSON: {exc}") from exc
+        if not isinstance(header, dict):
+            raise ConvertError(f"{path}: header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        self.flat = {}
+        for key, spec in header.items():
+            try:
+                dtype = _SAFETENSORS_NAMES[spec["dtype"]]
+                shape = tuple(int(s) for s in spec["shape"])
+                begin, end = (int(x) for x in spec["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConvertError(f"{path}: tensor {key!r}: bad header entry {spec!r}") from exc
+            if end - begin != _tensor_nbytes(shape, dtype) or self.base + end > size or begin < 0:
+                raise ConvertError(
+                    f"{path}: tensor {key!r}: data_offsets {[begin, end]} do not fit "
+                    f"{spec['dtype']} {list(shape)} in a file of {size} bytes"
+                )
+            self.entries[key] = (dtype, shape, begin)
+            self.flat[key] = _meta(shape, dtype)
+        self.structure = dict(self.flat)
+
+    def read(self, fqn: str) -> torch.Tensor:
+        dtype, shape, begin = self.entries[fqn]
+        out = self._empty(shape, dtype)
+        if out.numel():
+            _readinto(self.fd, raw_view(out), self.base + begin, fqn, str(self.path))
+        return out
+
+    def close(self) -> None:
+        super().close()
+        os.close(self.fd)
+
+
+class _TorchSaveSource(_Source):
+    """A torch.save file, memory-mapped; each tensor's pages are dropped once written."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise ConvertError(
+                f"{path}: torch.load(weights_only=True, mmap=True) failed: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            ) from exc
+        if not isinstance(loaded, Mapping):
+            raise ConvertError(f"{path}: holds a {type(loaded).__name__}, not a state dict")
+        flat = flatten_state_dict(loaded)
+        self.tensors: dict[str, torch.Tensor] = {}
+        items: dict[str, Any] = {}
+        for fqn, value in flat.items.items():
+            if isinstance(value, torch.Tensor):
+                if value.layout != torch.strided or value.is_quantized:
+                    raise ConvertError(f"{fqn}: a {value.layout} tensor cannot be converted")
+                self.tensors[fqn] = value
+                items[fqn] = _meta(tuple(value.shape), value.dtype)
+            else:
+                items[fqn] = value
+        self.flat = items
+        self.structure = unflatten_state_dict(items, flat.rich, flat.empties)
+
+    def read(self, fqn: str) -> torch.Tensor:
+        return self.tensors[fqn].detach().contiguous()
+
+    def release(self, tensor: torch.Tensor) -> None:
+        _drop_pages(tensor)
+
+
+def _drop_pages(tensor: torch.Tensor) -> None:
+    """madvise(DONTNEED) the whole pages of a file-mapped tensor: clean private pages are
+    simply re-read if touched again, so this only returns memory (Linux; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+# --- sinks -----------------------------------------------------------------------------------
+
+
+def _tensor_keys(src: _Source) -> list[str]:
+    return [k for k, v in src.flat.items() if isinstance(v, torch.Tensor)]
+
+
+def _object_keys(src: _Source) -> list[str]:
+    return [k for k, v in src.flat.items() if not isinstance(v, torch.Tensor)]
+
+
+class _StorageRef:
+    def __init__(self, fqn: str, key: str, dtype: torch.dtype, numel: int) -> None:
+        self.fqn, self.key, self.dtype, self.numel = fqn, key, dtype, numel
+
+
+class _ZipPickler(pickle.Pickler):
+    """Pickles the structure as torch.save's data.pkl does, tensors as storage references."""
+
+    def __init__(self, buf: io.BytesIO, placeholders: dict[int, str]) -> None:
+        super().__init__(buf, protocol=2)
+        self.placeholders = placeholders  # id(meta tensor) -> fqn
+        self.refs: list[_StorageRef] = []
+        self.real: dict[str, torch.UntypedStorage] = {}
+        self._ids: dict[int, str] = {}
+
+    def _next_key(self) -> str:
+        return str(len(self.refs) + len(self.real))
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and id(obj) in self.placeholders:
+            ref = _StorageRef(self.placeholders[id(obj)], self._next_key(), obj.dtype, obj.numel())
+            self.refs.append(ref)
+            stride = _contiguous_strides(tuple(obj.shape))
+            args: tuple[Any, ...] = (ref, 0, tuple(obj.shape), stride, False, OrderedDict())
+            if obj.dtype in _V3_DTYPES:  # as torch.save: an untyped storage, the dtype apart
+                return (torch._utils._rebuild_tensor_v3, (*args, obj.dtype))
+            return (torch._utils._rebuild_tensor_v2, args)
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            if obj.dtype in _V3_DTYPES:
+                nbytes = obj.numel * obj.dtype.itemsize
+                return ("storage", torch.UntypedStorage, obj.key, "cpu", nbytes)
+            return ("storage", _storage_type(obj.dtype), obj.key, "cpu", obj.numel)
+        if isinstance(obj, torch.UntypedStorage):  # a tensor inside a saved object
+            untyped_storage: Any = obj.cpu()  # type: ignore[no-untyped-call]
+            key = self._ids.setdefault(untyped_storage._cdata, self._next_key())
+            self.real[key] = untyped_storage
+            return ("storage", torch.UntypedStorage, key, "cpu", untyped_storage.nbytes())
+        if isinstance(obj, torch.storage.TypedStorage):  # a tensor inside a saved object
+            typed: Any = obj
+            untyped = typed._untyped_storage.cpu()
+            key = self._ids.setdefault(untyped._cdata, self._next_key())
+            self.real[key] = untyped
+            return (
+                "storage",
+                getattr(torch, typed._pickle_storage_type()),
+                key,
+                "cpu",
+                typed._size(),
+            )
+        return None
+
+
+#: dtypes torch.save pickles with ``_rebuild_tensor_v3`` and an untyped storage.
+_V3_DTYPES = frozenset(torch.storage._new_dtypes())
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    typed: Any = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+        dtype=dtype, device="cpu", _internal=True
+    )
+    return getattr(torch, typed._pickle_storage_type())
+
+
+def _write_torch_save(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
+    placeholders = {id(v): k for k, v in src.flat.items() if isinstance(v, torch.Tensor)}
+    buf = io.BytesIO()
+    pickler = _ZipPickler(buf, placeholders)
+    pickler.dump(src.structure)
+    from torch.serialization import _get_storage_alignment, get_crc32_options
+
+    writer: Any = torch._C.PyTorchFileWriter(
+        str(dst), get_crc32_options(), _get_storage_alignment()
+    )
+    data = buf.getvalue()
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    alignment = str(_get_storage_alignment())
+    writer.write_record(".storage_alignment", alignment, len(alignment))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for ref in pickler.refs:
+        tensor = src.read(ref.fqn)
+        _count(report, tensor)
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor = tensor.contiguous().clone()  # only reads that are not at a buffer's start
+            storage = tensor.untyped_storage()
+        # the record is the storage's first nbytes bytes: the tensor (read buffers start at 0)
+        writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
+        src.release(tensor)
+        progress.update(tensor.nbytes)
+        del tensor, storage
+    for key, untyped in pickler.real.items():
+        writer.write_record(f"data/{key}", untyped, untyped.nbytes())
+    writer.write_end_of_file()
+
+
+def _count(report: ConvertReport, tensor: torch.Tensor) -> None:
+    report.tensors += 1
+    report.tensor_bytes += tensor.nbytes
+    report.largest_tensor_bytes = max(report.largest_tensor_bytes, tensor.nbytes)
+
+
+def _safetensors_header(src: _Source, keys: list[str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in keys:
+        meta = src.flat[key]
+        dtype = meta.dtype
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ConvertError(
+                f"{key}: dtype {str(dtype).replace('torch.', '')} has no safetensors name "
+                f"(safetensors holds {', '.join(sorted(SAFETENSORS_DTYPES.values()))})"
+            )
+        n = _tensor_nbytes(tuple(meta.shape), dtype)
+        header[key] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_safetensors(
+    src: _Source, dst: Path, progress: Progress, report: ConvertReport, keys: list[str]
+) -> None:
+    header = _safetensors_header(src, keys)
+    with open(dst, "wb") as f:
+        f.write(header)
+        for key in keys:
+            tensor = src.read(key)
+            _count(report, tensor)
+            if tensor.numel():
+                f.write(raw_view(tensor))
+            src.release(tensor)
+            progress.update(tensor.nbytes)
+            del tensor
+
+
+def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
+    from refdcp.planning import DefaultSavePlanner
+    from refdcp.storage import layout
+    from refdcp.storage.filesystem import FileSystemWriter
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(src.structure, is_coordinator=True)
+    local = planner.create_local_plan()
+    writer = FileSystemWriter(dst)
+    writer.set_up_storage_writer(True)
+    local = writer.prepare_local_plan(local)
+    plans, metadata = planner.create_global_plan([local])
+    plans = writer.prepare_global_plan(plans)
+    plan = planner.finish_plan(plans[0])
+    name = layout.data_file_name(layout.plan_prefix(plan), 0, writer.save_id)
+    results: list[WriteResult] = []
+    ordered = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
+    fd = os.open(dst / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        position = 0
+        for item in ordered:
+            if item.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(item)
+                assert isinstance(data, io.BytesIO)
+                enc = encode_bytes(data)
+                tensor = None
+            else:
+                tensor = src.read(item.index.fqn)
+                enc = encode_tensor(tensor)
+            for part in enc.parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+            info = make_storage_info(name, position, enc)
+            position += enc.length
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=enc.length, storage_data=info)
+            )
+            if tensor is not None:
+                _count(report, tensor)
+                src.release(tensor)
+                progress.update(tensor.nbytes)
+            del enc, tensor
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    writer.finish(metadata, [results])
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def _open_source(path: Path, fmt: str) -> _Source:
+    if fmt == "dcp":
+        return _DcpSource(path)
+    if fmt == "safetensors":
+        return _SafetensorsSource(path)
+    return _TorchSaveSource(path)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    drop_non_tensors: bool = False,
+    overwrite: bool = False,
+    progress: TextIO | None = None,
+) -> ConvertReport:
+    """Convert the checkpoint at ``src`` into ``dst`` (TOOL-18..22).
+
+    Formats come from the paths (``detect_format``) unless given. Refuses,
+    before writing anything, a destination that exists (unless
+    ``overwrite``), non-tensor values bound for safetensors (unless
+    ``drop_non_tensors``, which lists what it dropped in the report) and
+    dtypes safetensors cannot name. File destinations are written under a
+    temporary name and renamed into place, so a failed conversion leaves no
+    partial file; a DCP destination is committed only by its ``.metadata``.
+    """
+    src_p, dst_p = Path(src), Path(dst)
+    sfmt = src_format or detect_format(src_p, existing=True)
+    dfmt = dst_format or detect_format(dst_p, existing=False)
+    for role, fmt in (("source", sfmt), ("destination", dfmt)):
+        if fmt not in FORMATS:
+            raise ConvertError(f"{role} format must be one of {FORMATS}, got {fmt!r}")
+    if sfmt == dfmt:
+        raise ConvertError(f"{src_p} and {dst_p} are both {sfmt}: nothing to convert")
+    if not src_p.exists():
+        raise ConvertError(f"{src_p}: no such file or directory")
+    if dst_p.exists() and not overwrite:
+        raise ConvertError(f"{dst_p} exists; pass --overwrite to replace it")
+    if dfmt == "dcp" and dst_p.exists() and not dst_p.is_dir():
+        raise ConvertError(f"{dst_p} is a file; a DCP checkpoint is a directory")
+    report = ConvertReport(str(src_p), str(dst_p), sfmt, dfmt)
+    source = _open_source(src_p, sfmt)
+    try:
+        tensors, objects = _tensor_keys(source), _object_keys(source)
+        if dfmt == "safetensors" and objects:
+            if not drop_non_tensors:
+                shown = ", ".join(f"{k!r} ({type(source.flat[k]).__name__})" for k in objects[:10])
+                more = f" and {len(objects) - 10} more" if len(objects) > 10 else ""
+                raise ConvertError(
+                    f"safetensors holds only tensors; {src_p} also has {len(objects)} "
+                    f"non-tensor value(s): {shown}{more}. Convert to torch or DCP instead, "
+                    "or pass --drop-non-tensors to leave them out"
+                )
+            report.dropped = list(objects)
+        report.objects = 0 if dfmt == "safetensors" else len(objects)
+        total = sum(
+            _tensor_nbytes(tuple(source.flat[k].shape), source.flat[k].dtype) for k in tensors
+        )
+        if dfmt == "safetensors":
+            _safetensors_header(source, tensors)  # refuse unnamed dtypes before writing
+        with Progress(total, f"convert {sfmt} -> {dfmt}", stream=progress) as bar:
+            if dfmt == "dcp":
+                dst_p.mkdir(parents=True, exist_ok=True)
+                _write_dcp(source, dst_p, bar, report)
+            else:
+                dst_p.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp_name = tempfile.mkstemp(prefix=f".{dst_p.name}.", dir=dst_p.parent)
+                os.close(fd)
+                tmp = Path(tmp_name)
+                try:
+                    if dfmt == "torch":
+                        _write_torch_save(source, tmp, bar, report)
+                    else:
+                        _write_safetensors(source, tmp, bar, report, tensors)
+                    os.replace(tmp, dst_p)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        report.checksums_verified = source.checksums_verified
+    finally:
+        source.close()
+    return report
+
+
+def _iter_lines(report: ConvertReport) -> Iterator[str]:
+    from refdcp.tools.progress import format_bytes
+
+    yield (
+        f"converted {report.src} ({report.src_format}) -> {report.dst} ({report.dst_format}): "
+        f"{report.tensors} tensor(s), {format_bytes(report.tensor_bytes)}, "
+        f"{report.objects} other value(s)"
+    )
+    if report.checksums_verified:
+        yield f"checksums verified: {report.checksums_verified} item(s)"
+    if report.dropped:
+        yield f"dropped (not tensors): {', '.join(report.dropped)}"
+
+
+def convert_command(
+    src: str,
+    dst: str,
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    drop_non_tensors: bool = False,
+    overwrite: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """CLI body: 0 on success, 1 when the conversion is refused or fails (message on stderr)."""
+    stream, errs = out or sys.stdout, err or sys.stderr
+    try:
+        report = convert(
+            src,
+            dst,
+            src_format=src_format,
+            dst_format=dst_format,
+            drop_non_tensors=drop_non_tensors,
+            overwrite=overwrite,
+            progress=errs,
+        )
+    except (RefdcpError, OSError) as exc:
+        errs.write(f"refdcp convert: error: {exc}\n")
+        return 1
+    for line in _iter_lines(report):
+        stream.write(line + "\n")
+    return 0
