@@ -100,7 +100,7 @@ def _child_main(conn: Any, dist_info: _DistInfo | None) -> None:
             del req
             conn.send(("ok", md))
         except BaseException as exc:
-            from refdcp.errors import _picklable
+            from refdcp.errors_core import _picklable
 
             conn.send(("error", _picklable(exc)))
     if dist_info is not None:

@@ -35,6 +35,7 @@ from refdcp.driver import LoadContext, SaveContext, StepRecord, simulate
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
 from refdcp.planning.global_metadata import build_state_dict_metadata
 from refdcp.protocol import LOAD, SAVE, Kind
+from refdcp.protocol.names import Slot
 from refdcp.storage.memory import MemoryStorage
 
 __all__ = ["TraceResult", "run_trace", "render_text", "render_mermaid", "trace_command"]
@@ -198,14 +199,14 @@ def run_trace(
         for r in range(save_world)
     ]
     sim = simulate(SAVE, saves, observer=res.save_steps.append)
-    res.local_plans = [c.slots["local_plan"] for c in saves]
+    res.local_plans = [c.slots[Slot.LOCAL_PLAN] for c in saves]
     errors = sim.errors()
     if errors:
         res.save_error = str(errors[0]).splitlines()[0] + "\n" + _problem_lines(errors[0])
         return res
-    res.final_plans = [c.slots["final_plan"] for c in saves]
+    res.final_plans = [c.slots[Slot.FINAL_PLAN] for c in saves]
     res.decisions = explain_dedup(res.local_plans, res.final_plans)
-    res.writes = [list(c.slots["write_results"]) for c in saves]
+    res.writes = [list(c.slots[Slot.WRITE_RESULTS]) for c in saves]
     res.metadata = sim.results[0]
     loads = [
         LoadContext(
@@ -221,7 +222,7 @@ def run_trace(
     lsim = simulate(LOAD, loads, observer=res.load_steps.append)
     if lsim.errors():
         raise next(iter(lsim.errors().values()))
-    res.read_plans = [c.slots["final_plan"] for c in loads]
+    res.read_plans = [c.slots[Slot.FINAL_PLAN] for c in loads]
     res.verified = all(
         _same(c.state_dict, model_state(c.rank, load_world, sharding)) for c in loads
     )
