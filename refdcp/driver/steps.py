@@ -25,7 +25,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from refdcp.errors import ProtocolError
 from refdcp.protocol.names import Slot, Step
 
-__all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer"]
+__all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer", "unwrap_stateful"]
+
+
+def unwrap_stateful(state_dict: dict[Any, Any]) -> dict[Any, Any]:
+    """Top-level ``Stateful`` values replaced by their ``state_dict()``, in key order (SAVE-1, LOAD-1)."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
@@ -115,10 +120,7 @@ class SaveContext(_Base):
 
     def step_set_up(self) -> None:
         """Stateful values, storage selection, planner and writer set-up (SAVE-1, API-2)."""
-        sd = {
-            k: (v.state_dict() if isinstance(v, Stateful) else v)
-            for k, v in self.state_dict.items()
-        }
+        sd = unwrap_stateful(self.state_dict)
         self.slots[Slot.FLAT_STATE_DICT] = sd
         if self.writer is None:
             assert self.writer_factory is not None
@@ -191,9 +193,7 @@ class LoadContext(_Base):
 
     def step_set_up(self) -> None:
         """Stateful destinations, metadata, planner and reader set-up (LOAD-1, API-2)."""
-        sd: dict[str, Any] = {}
-        for key, value in self.state_dict.items():  # keys of any type, in the caller's order
-            sd[key] = value.state_dict() if isinstance(value, Stateful) else value
+        sd = unwrap_stateful(self.state_dict)  # keys of any type, in the caller's order
         self.slots[Slot.FLAT_STATE_DICT] = sd
         if self.reader is None:
             assert self.reader_factory is not None
