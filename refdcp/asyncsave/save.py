@@ -227,7 +227,7 @@ def async_save(
     return handle
 
 
-_CHANNELS: dict[int | None, list[Callable[[], None]]] = {}
+_CHANNELS: dict[object, list[Callable[[], None]]] = {}
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -237,7 +237,7 @@ def _submit_serial(channel: object, job: Callable[[], None]) -> None:
     Saves over one communicator (or one process group) run one at a time, in
     call order, so every rank issues their collectives in the same order.
     """
-    key = None if channel is None else id(channel)
+    key = channel  # held strongly while its jobs are pending, so never a reused id
     with _CHANNELS_LOCK:
         pending = _CHANNELS.get(key)
         if pending is not None:  # a worker is draining this channel

@@ -205,9 +205,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.path.mkdir(parents=True, exist_ok=True)
-        existing = self.path / layout.rank_metadata_name(
-            None if self.use_collectives or self.rank is None else 0
-        )
+        existing = self.path / layout.rank_metadata_name(self._metadata_rank())
         if existing.exists() and not self.overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {self.path} and overwrite=False"
