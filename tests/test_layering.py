@@ -139,3 +139,40 @@ def test_staging_imports_nothing_above_it() -> None:
     assert "refdcp.staging.cpu_stager" in reached
     bad = sorted(n for n in imported | reached if n.startswith(ABOVE_STAGING))
     assert not bad, f"staging reaches {bad}"
+
+
+FORMAT_LITERALS = (
+    ".metadata",
+    "#refdcp-crc32c",
+    "1.0.0",
+    ".distcp",
+)  # "refdcp_format" is also a report key
+FORMAT_HOMES = {"storage/layout.py", "storage/safe_metadata.py"}
+
+
+def test_format_knowledge_has_one_home() -> None:
+    """File names, the checksum trailer, the version and the format tag are spelled only in
+    storage/layout.py and storage/safe_metadata.py; everything else imports them."""
+    offenders = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in FORMAT_HOMES:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and id(node) not in docstrings:
+                value = node.value
+                text = value.decode("latin-1") if isinstance(value, bytes) else value
+                if isinstance(text, str) and any(
+                    lit == text or text.startswith(lit) for lit in FORMAT_LITERALS
+                ):
+                    offenders.append(f"{rel}:{node.lineno}: {text!r}")
+    assert not offenders, "\n".join(offenders)
