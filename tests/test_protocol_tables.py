@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from refdcp.comm import SingleRank
 from refdcp.driver import LoadContext, SaveContext, simulate
 from refdcp.driver.run import drive
-from refdcp.errors import CheckpointError, Failure, ProtocolError
+from refdcp.errors import CheckpointError, Failure, FailureReport, ProtocolError
 from refdcp.protocol import LOAD, SAVE, Kind, On, State
 from refdcp.protocol import load as load_module
 from refdcp.protocol import save as save_module
@@ -153,3 +153,15 @@ def test_both_drivers_end_a_fault_after_the_last_action_the_same_way() -> None:
 def test_rows_reject_a_local_action_without_a_step() -> None:
     with pytest.raises(ValueError, match="malformed"):
         Row(Phase.IDLE, On.START, SAVE.rows[0].role, Phase.SET_UP, Kind.LOCAL)
+
+
+@pytest.mark.spec("PROTO-12")
+@pytest.mark.parametrize("table", [SAVE, LOAD], ids=lambda t: t.name)
+def test_a_fault_on_a_rank_about_to_raise_joins_its_error(table: Table) -> None:
+    agreed = FailureReport("write", {0: Failure(0, "write", OSError("disk"), "tb")})
+    late = Failure(2, "failed", RuntimeError("late"), "tb")
+    state = State(Phase.FAILED, 2, False, error=agreed)
+    new, action = table.transition(state, Event(On.ERR, failure=late))
+    assert new.phase is Phase.FAILED and action.kind is Kind.RAISE and action.error is not None
+    assert dict(action.error.rank_failures) == {0: agreed.rank_failures[0], 2: late}
+    assert action.error.step == "write"
