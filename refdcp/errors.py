@@ -1,108 +1,72 @@
-"""Exceptions raised by refdcp (spec/errors.md).
+"""Exceptions raised by refdcp (spec/errors.md): the home of the hierarchy (ERR-6).
 
 Every failure of a collective save or load surfaces as :class:`CheckpointError`
 on every rank (ERR-1). It subclasses both ``Exception`` (so ``except Exception``
 catches it, unlike torch's ``CheckpointException``) and torch's
 ``CheckpointException`` (so code written for torch keeps working) (ERR-2).
+
+The whole hierarchy (module of definition in brackets; every name imports
+from here or from its package, except where noted)::
+
+    Exception
+    ├── CheckpointError (+ torch CheckpointException)   a save/load failed; raised on every rank
+    └── RefdcpError                                     [errors_core] base of refdcp's own errors
+        ├── ProtocolError                               [errors_core] an order violation (PROTO-3)
+        ├── ProblemsError (+ ValueError)                [errors_core] every problem at once
+        │   ├── PlanValidationError                     [planning.global_metadata] (META-5)
+        │   └── LoadPolicyError                         [planning.load_policy] (POLICY-1)
+        ├── CommError                                   [errors_core] a collective failed (COMM-5)
+        │   ├── CommTimeout (+ TimeoutError)
+        │   ├── CommAborted                             a peer left (COMM-6)
+        │   └── CollectiveMismatch                      ranks called different collectives (COMM-7)
+        ├── RankFailures                                [comm.fake] ranks of FakeWorld.run raised
+        ├── Deadlock                                    [driver.simulator] ranks would wait forever
+        ├── StagingTimeoutError (+ TimeoutError)        [staging.buffer_pool] (STAGE-5)
+        ├── StateDictError (+ RuntimeError)             [state.state_dict] (SD-4)
+        └── storage errors                              [storage.errors] (re-exported by refdcp.storage)
+            ├── CorruptionError                         bytes do not match their checksum (INTEG-3)
+            ├── MissingChecksumError                    verify asked, no checksum stored (INTEG-5)
+            ├── UnsafeMetadataError                     .metadata names a forbidden global (FMT-6)
+            ├── FormatVersionError                      unknown format version (FMT-7)
+            └── CheckpointExistsError (+ FileExistsError)  overwrite=False and one exists (STORE-6)
+
+:class:`Failure` (one rank's failure) and :class:`FailureReport` (the failures
+the ranks agreed on) are data, not exceptions: they travel through
+collectives (ERR-3).
 """
 
 from __future__ import annotations
 
 import traceback
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from refdcp.errors_core import (
+    CollectiveMismatch,
+    CommAborted,
+    CommError,
+    CommTimeout,
+    Failure,
+    FailureReport,
+    ProblemsError,
+    ProtocolError,
+    RefdcpError,
+    describe_failures,
+)
+
 __all__ = [
     "CheckpointError",
-    "CommError",
+    "CollectiveMismatch",
     "CommAborted",
+    "CommError",
     "CommTimeout",
     "Failure",
+    "FailureReport",
     "ProblemsError",
     "ProtocolError",
     "RefdcpError",
 ]
-
-
-class RefdcpError(Exception):
-    """Base class of refdcp's own errors that are not collective failures."""
-
-
-class ProblemsError(ValueError):
-    """Every problem found at once, one per line after ``headline`` (META-5, POLICY-1).
-
-    Rebuilt from ``problems`` when unpickled, so it survives collectives (ERR-3).
-    """
-
-    headline = "problems"
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        super().__init__(
-            f"{self.headline} ({len(self.problems)} problem(s)):\n- " + "\n- ".join(self.problems)
-        )
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.problems,))
-
-
-class ProtocolError(RefdcpError):
-    """An order violation of the save/load/staging protocol (PROTO-3).
-
-    ``requirement`` is the spec ID that the violation breaks.
-    """
-
-    def __init__(self, requirement: str, message: str) -> None:
-        super().__init__(f"[{requirement}] {message}")
-        self.requirement = requirement
-        self.message = message
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.requirement, self.message))
-
-
-class CommError(RefdcpError):
-    """A collective could not complete (COMM-5)."""
-
-
-class CommTimeout(CommError, TimeoutError):
-    """A collective did not complete within its timeout: a peer is missing or late (COMM-5)."""
-
-
-class CommAborted(CommError):
-    """A peer left the world (raised, crashed) while this rank waited in a collective (COMM-6)."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One rank's failure, as it travels through collectives (ERR-3).
-
-    It carries the original exception when that pickles, and always its
-    formatted traceback text, so a failure is never lost to an unpicklable
-    exception.
-    """
-
-    rank: int
-    step: str
-    exception: BaseException
-    traceback_text: str
-
-    @classmethod
-    def capture(cls, rank: int, step: str, exc: BaseException) -> Failure:
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(rank=rank, step=step, exception=_picklable(exc), traceback_text=text)
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 class CheckpointError(CheckpointException, Exception):
@@ -122,6 +86,7 @@ class CheckpointError(CheckpointException, Exception):
             rank: (f.exception, traceback.StackSummary.from_list([]))
             for rank, f in failures.items()
         }
+        step = str(step)
         super().__init__(step, wrapped)
         self.step = step
         self.rank_failures: dict[int, Failure] = dict(sorted(failures.items()))
@@ -129,23 +94,20 @@ class CheckpointError(CheckpointException, Exception):
         self.steps = {rank: f.step for rank, f in self.rank_failures.items()}
         self.committed = committed
 
+    @classmethod
+    def from_report(cls, report: FailureReport) -> CheckpointError:
+        """The exception a driver raises for the machine's agreed failures (PROTO-4)."""
+        return cls(report.step, report.rank_failures, committed=report.committed)
+
+    @property
+    def report(self) -> FailureReport:
+        return FailureReport(self.step, self.rank_failures, self.committed)
+
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_checkpoint_error, (self.step, self.rank_failures, self.committed))
 
     def __str__(self) -> str:
-        state = (
-            "the checkpoint WAS committed before this failure"
-            if self.committed
-            else "nothing was committed"
-        )
-        head = f"checkpoint {self.step} failed on rank(s) {sorted(self.rank_failures)} ({state})"
-        parts = [head]
-        for rank, f in self.rank_failures.items():
-            parts.append(
-                f"--- rank {rank}, step {f.step!r}: {type(f.exception).__name__}: {f.exception}\n"
-                f"{f.traceback_text.rstrip()}"
-            )
-        return "\n".join(parts)
+        return describe_failures(self.step, self.rank_failures, self.committed)
 
 
 def _rebuild_checkpoint_error(

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refdcp.errors import CheckpointError, Failure, ProtocolError
+from refdcp.errors import CheckpointError, Failure, FailureReport, ProtocolError
 from refdcp.protocol import LOAD, SAVE, Event, Kind, On, State
 from refdcp.protocol.machine import IDLE, TERMINAL
 from refdcp.tools.diagrams import diagrams_path, render_all
@@ -20,14 +20,14 @@ def _event(on: On, rank: int) -> Event:
         return Event(on, failure=Failure(rank, "x", ValueError("boom"), "tb"))
     if on is On.GOT_ERR:
         f = Failure(1, "y", KeyError("k"), "tb")
-        return Event(on, error=CheckpointError("y", {1: f}))
+        return Event(on, error=FailureReport("y", {1: f}))
     return Event(on)
 
 
 def _norm(result: tuple[State, object]) -> object:
     """Structural view: exceptions compare by identity, so compare what they say."""
 
-    def err(e: CheckpointError | None) -> object:
+    def err(e: FailureReport | None) -> object:
         return None if e is None else (e.step, tuple(e.rank_failures), e.committed)
 
     state, action = result
@@ -100,7 +100,7 @@ def test_coordinator_commits_only_after_clean_results() -> None:
     state = State("gather_results", 0, True)
     _, action = SAVE.transition(state, Event(On.GOT_OK))
     assert action.kind is Kind.LOCAL and action.step == "commit"
-    err = CheckpointError("write", {2: Failure(2, "write", OSError("disk"), "tb")})
+    err = FailureReport("write", {2: Failure(2, "write", OSError("disk"), "tb")})
     state2, action = SAVE.transition(state, Event(On.GOT_ERR, error=err))
     assert action.kind is Kind.BROADCAST and action.error is not None
     assert not action.error.committed and 2 in action.error.rank_failures
@@ -115,7 +115,7 @@ def test_failure_after_commit_is_reported_as_committed() -> None:
     f = Failure(0, "broadcast_outcome", RuntimeError("late"), "tb")
     _, action = SAVE.transition(state, Event(On.ERR, failure=f))
     assert action.kind is Kind.BROADCAST and action.error is not None and action.error.committed
-    assert "WAS committed" in str(action.error)
+    assert "WAS committed" in str(CheckpointError.from_report(action.error))
 
 
 @pytest.mark.spec("PROTO-8")

@@ -119,3 +119,13 @@ def test_budget_allocation_eviction_and_timeout() -> None:
     c = pool.acquire(OTHER)  # evicts the free set of the other layout
     assert pool.allocations == 3 and len(pool.states()) == 2
     assert c.bset.layout == OTHER
+
+
+@pytest.mark.spec("STAGE-21")
+def test_staging_spec_table_is_generated_from_the_transitions() -> None:
+    from refdcp.tools.diagrams import render_staging_spec, staging_spec_path
+
+    text = staging_spec_path().read_text(encoding="utf-8")
+    assert text == render_staging_spec(text), "spec/staging.md is stale: run python -m refdcp.tools.diagrams"
+    for (state, event), (nxt, action) in TRANSITIONS.items():
+        assert f"| {state.value} | {event.value} | {nxt.value} | {action.value} |" in text

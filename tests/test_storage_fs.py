@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -113,26 +114,59 @@ def test_reader_opens_only_referenced_files(
 
 
 @pytest.mark.spec("STORE-2", "STORE-1")
-def test_failed_save_keeps_old_checkpoint(tmp_path: Path) -> None:
+def test_failed_save_keeps_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failure hits inside ``finish``, after its new metadata is fully written, at the rename."""
     save(_sd(1), FileSystemWriter(tmp_path))
     before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    real_replace = os.replace
+    staged_metadata: list[int] = []
 
-    class Boom(FileSystemWriter):
-        def finish(self, metadata: Any, results: Any) -> None:
-            raise RuntimeError("injected failure before commit")
+    def failing_replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        if os.path.basename(str(dst)) == ".metadata":
+            staged_metadata.append(os.path.getsize(src))  # finish wrote the new metadata
+            raise OSError("injected failure at the commit rename")
+        real_replace(src, dst, *a, **k)
 
-    with pytest.raises(BaseException, match="injected"):
-        save(_sd(2), Boom(tmp_path))
+    monkeypatch.setattr(fs_mod.os, "replace", failing_replace)
+    with pytest.raises(CheckpointException, match="injected"):
+        save(_sd(2), FileSystemWriter(tmp_path))
+    monkeypatch.undo()
+    assert staged_metadata and staged_metadata[0] > 0
     for name, data in before.items():
         assert (tmp_path / name).read_bytes() == data
     _assert_same(load(_empty_like(_sd(1)), FileSystemReader(tmp_path)), _sd(1))
 
 
 @pytest.mark.spec("STORE-6")
+def test_overwrite_false_without_collectives_checks_this_ranks_metadata(tmp_path: Path) -> None:
+    """Rank 3 saving alone (use_collectives=False) commits ``__3.metadata``; that is what it checks."""
+
+    def save_rank3(value: int) -> None:
+        w = FileSystemWriter(tmp_path, overwrite=False)
+        w.set_up_storage_writer(True, rank=3, use_collectives=False)
+        sd = _sd(value)
+        planner = dcp.DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=True)
+        plan = w.prepare_local_plan(planner.create_local_plan())
+        plans, md = planner.create_global_plan([plan])
+        (plan,) = w.prepare_global_plan(plans)
+        fut = w.write_data(planner.finish_plan(plan), planner)
+        fut.wait()
+        w.finish(md, [fut.value()])
+
+    save_rank3(1)
+    assert (tmp_path / "__3.metadata").exists() and not (tmp_path / "__0.metadata").exists()
+    names = set(os.listdir(tmp_path))
+    with pytest.raises(CheckpointExistsError):
+        save_rank3(2)
+    assert set(os.listdir(tmp_path)) == names
+
+
+@pytest.mark.spec("STORE-6")
 def test_overwrite_false_refuses_before_writing(tmp_path: Path) -> None:
     save(_sd(1), FileSystemWriter(tmp_path))
     names = set(os.listdir(tmp_path))
-    with pytest.raises(BaseException, match="overwrite=False"):
+    with pytest.raises(CheckpointException, match="overwrite=False"):
         save(_sd(2), FileSystemWriter(tmp_path, overwrite=False))
     assert set(os.listdir(tmp_path)) == names
     w = FileSystemWriter(tmp_path, overwrite=False)
@@ -316,7 +350,7 @@ def test_truncated_data_file_raises(tmp_path: Path) -> None:
     (data,) = [p for p in tmp_path.iterdir() if p.name.endswith(".distcp")]
     raw = data.read_bytes()
     data.write_bytes(raw[: len(raw) - 100])
-    with pytest.raises(BaseException) as info:
+    with pytest.raises(CheckpointException) as info:
         load(_empty_like(sd), FileSystemReader(tmp_path))
     text = str(info.value)
     assert "truncated" in text and data.name in text

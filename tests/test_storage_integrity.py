@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from refdcp.storage import (
@@ -116,7 +117,7 @@ def test_random_damage_is_always_detected(
     report = verify_checkpoint(d)
     assert not report.ok
     assert any(p.file == name or p.file.endswith(name) for p in report.problems)
-    with pytest.raises(BaseException) as info:
+    with pytest.raises(CheckpointException) as info:
         _load_verified(d)
     assert (
         "CorruptionError" in repr(info.value)
@@ -163,7 +164,7 @@ def test_torch_checkpoint_reads_but_cannot_verify(tmp_path: Path) -> None:
     out = _dest()
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
     assert torch.equal(out["b"], _sd()["b"]) and out["step"] == 11
-    with pytest.raises(BaseException, match="no checksum"):
+    with pytest.raises(CheckpointException, match="no checksum"):
         _load_verified(tmp_path)
     report = verify_checkpoint(tmp_path)
     assert report.ok and report.items_checked == 0 and report.items_without_checksum == 4
@@ -211,7 +212,7 @@ def test_crafted_metadata_is_refused_without_side_effect(
     md = pickle.loads((tmp_path / "ck" / ".metadata").read_bytes())
     md.planner_data = {"evil": _Payload()}
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(md))
-    with pytest.raises(BaseException, match="not an allowed"):
+    with pytest.raises(CheckpointException, match="not an allowed"):
         dcp.load(_dest(), storage_reader=FileSystemReader(tmp_path / "ck"), no_dist=True)
     with pytest.raises(UnsafeMetadataError, match=r"posix\.system|os\.system"):
         FileSystemReader(tmp_path / "ck").read_metadata()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.storage import CheckpointExistsError, CorruptionError, MemoryStorage
@@ -91,11 +92,11 @@ def test_failed_save_is_invisible() -> None:
         def finish(self, metadata: Any, results: Any) -> None:
             raise RuntimeError("injected")
 
-    with pytest.raises(BaseException, match="injected"):
+    with pytest.raises(CheckpointException, match="injected"):
         dcp.save(_sd(2), storage_writer=Boom(m, "x"), no_dist=True)
     assert m.files("x") == before
     assert _same(_load(m, "x"), _sd(1))
-    with pytest.raises(BaseException, match="no committed checkpoint"):
+    with pytest.raises(CheckpointException, match="no committed checkpoint"):
         _load(m, "never")
 
 
@@ -143,7 +144,7 @@ def test_memory_files_are_a_filesystem_checkpoint(tmp_path: Path) -> None:
 def test_overwrite_false() -> None:
     m = MemoryStorage()
     _save(m, "x", 1, overwrite=False)
-    with pytest.raises(BaseException, match="overwrite=False"):
+    with pytest.raises(CheckpointException, match="overwrite=False"):
         _save(m, "x", 2, overwrite=False)
     w = m.writer("x", overwrite=False)
     from torch.distributed.checkpoint.planner import SavePlan

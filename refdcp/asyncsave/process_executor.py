@@ -1,4 +1,4 @@
-"""The process executor of ``async_save``: a background process writes the snapshot (ASYNC-7).
+"""The worker process behind ``ProcessExecutor`` (asyncsave/executors.py): it writes the snapshot (ASYNC-7).
 
 One worker process per training process, started on first use (``spawn``)
 and reused. Snapshots travel through a pipe with torch's multiprocessing
@@ -21,21 +21,18 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from refdcp.asyncsave.groups import checkpoint_process_group
 from refdcp.comm.base import Communicator
 
-if TYPE_CHECKING:
-    from refdcp.asyncsave.save import AsyncSaveHandle, InFlightLimiter
-
-__all__ = ["async_save_process", "shutdown_worker"]
+__all__ = ["Request", "get_worker", "shutdown_worker"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class _DistInfo:
 
 
 @dataclass
-class _Request:
+class Request:
     staged: dict[str, Any]
     checkpoint_id: Any
     storage_writer: StorageWriter | None
@@ -100,7 +97,7 @@ def _child_main(conn: Any, dist_info: _DistInfo | None) -> None:
             del req
             conn.send(("ok", md))
         except BaseException as exc:
-            from refdcp.errors import _picklable
+            from refdcp.errors_core import _picklable
 
             conn.send(("error", _picklable(exc)))
     if dist_info is not None:
@@ -131,12 +128,12 @@ class _Worker:
                 f"{self.proc.exitcode}); executor='process' starts it with multiprocessing's "
                 "'spawn', so the main script must be guarded by `if __name__ == '__main__':`"
             ) from exc
-        self._queue: queue.Queue[tuple[_Request, Future[Metadata]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Request, Future[Metadata]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._serve, daemon=True, name="refdcp-ckpt-io")
         self._thread.start()
         self.alive = True
 
-    def submit(self, req: _Request) -> Future[Metadata]:
+    def submit(self, req: Request) -> Future[Metadata]:
         fut: Future[Metadata] = Future()
         self._queue.put((req, fut))
         return fut
@@ -209,8 +206,6 @@ def _group_key(process_group: Any, distributed: bool) -> tuple[bool, Any]:
 
 def _dist_info(process_group: Any, timeout_s: float) -> _DistInfo:
     """Agree on a rendezvous address for the workers' own group (collective on the caller)."""
-    from refdcp.asyncsave.save import checkpoint_process_group
-
     group = checkpoint_process_group(process_group)
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -226,7 +221,7 @@ def _dist_info(process_group: Any, timeout_s: float) -> _DistInfo:
     return _DistInfo(str(box[0]), rank, world, timeout_s)
 
 
-def _get_worker(process_group: Any, distributed: bool, timeout_s: float) -> _Worker:
+def get_worker(process_group: Any, distributed: bool, timeout_s: float) -> _Worker:
     key = _group_key(process_group, distributed)
     with _WORKER_LOCK:
         worker = _WORKERS.get(key)
@@ -246,47 +241,3 @@ def shutdown_worker() -> None:
 
 
 atexit.register(shutdown_worker)
-
-
-def async_save_process(
-    state_dict: dict[str, Any],
-    *,
-    checkpoint_id: Any,
-    storage_writer: StorageWriter | None,
-    planner: SavePlanner | None,
-    stager: AsyncStager | None,
-    process_group: Any,
-    comm: Communicator | None,
-    no_dist: bool,
-    limiter: InFlightLimiter | None,
-    timeout_s: float = 1800.0,
-) -> AsyncSaveHandle:
-    """``async_save`` with ``executor="process"`` (ASYNC-7)."""
-    from refdcp.asyncsave.save import async_save
-
-    if comm is not None:
-        raise ValueError(
-            "executor='process' cannot use an in-process Communicator; "
-            "pass process_group (or nothing) instead (ASYNC-7)"
-        )
-    distributed = not no_dist and dist.is_available() and dist.is_initialized()
-    worker = _get_worker(process_group, distributed, timeout_s)
-
-    def save_in_worker(staged: dict[str, Any], **kwargs: Any) -> Metadata:
-        req = _Request(
-            dict(staged), kwargs["checkpoint_id"], kwargs["storage_writer"], kwargs["planner"]
-        )
-        return worker.submit(req).result()
-
-    return async_save(
-        state_dict,
-        checkpoint_id=checkpoint_id,
-        storage_writer=storage_writer,
-        planner=planner,
-        stager=stager,
-        executor="thread",
-        process_group=process_group,
-        no_dist=True,  # the thread only forwards to the worker: no collective in this process
-        limiter=limiter,
-        save_fn=save_in_worker,
-    )

@@ -2,8 +2,8 @@
 
 The caller is blocked only while the state dict is staged (copied) by the
 stager; the collective save of the snapshot then runs on a background thread
-(``executor="thread"``) or a background process (``executor="process"``, see
-:mod:`refdcp.asyncsave.process_executor`). The returned :class:`AsyncSaveHandle` has two
+(``executor="thread"``) or a background process (``executor="process"``); the
+executor is a strategy chosen once (:mod:`refdcp.asyncsave.executors`). The returned :class:`AsyncSaveHandle` has two
 futures: ``staged`` (the source may be mutated now) and ``committed`` (the
 checkpoint is durable; the result is its ``Metadata``).
 """
@@ -18,14 +18,15 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from refdcp.asyncsave.executors import Executor, SaveFn, executor_for
+from refdcp.asyncsave.groups import checkpoint_process_group
 from refdcp.comm.base import Communicator
+from refdcp.driver.steps import unwrap_stateful
 from refdcp.staging.cpu_stager import CpuStager
 
 __all__ = [
@@ -35,8 +36,6 @@ __all__ = [
     "checkpoint_process_group",
     "DEFAULT_LIMITER",
 ]
-
-SaveFn = Callable[..., Metadata]
 
 
 class AsyncSaveHandle:
@@ -129,58 +128,6 @@ def _default_limiter(comm: Communicator | None) -> InFlightLimiter:
         return lim
 
 
-_GROUPS: dict[Any, Any] = {}
-
-_COMMS: dict[int, Communicator] = {}
-
-
-def checkpoint_process_group(process_group: Any = None) -> Any:
-    """A dedicated Gloo group for background checkpoint collectives (ASYNC-6).
-
-    Created once per ``process_group`` (None = WORLD) and cached. Creating it
-    is itself collective: every rank of the default group must reach the
-    first ``async_save`` for a given group, as with ``dist.new_group``.
-    """
-    key = None if process_group is None else id(process_group)
-    with _GROUPS_LOCK:
-        group = _GROUPS.get(key)
-        if group is None:
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            group = dist.new_group(ranks=ranks, backend="gloo")
-            _GROUPS[key] = group
-        return group
-
-
-def _background_comm(
-    comm: Communicator | None, process_group: Any, no_dist: bool
-) -> Communicator | None:
-    """The Communicator the background save uses (None: single rank)."""
-    if comm is not None:
-        return comm
-    if no_dist or not (dist.is_available() and dist.is_initialized()):
-        return None
-    group = checkpoint_process_group(process_group)
-    with _GROUPS_LOCK:
-        comm_ = _COMMS.get(id(group))
-        if comm_ is None:
-            from refdcp.comm import TorchDistComm
-
-            comm_ = TorchDistComm(group)
-            _COMMS[id(group)] = comm_
-        return comm_
-
-
-def _unwrap_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Top-level ``Stateful`` values are replaced by their ``state_dict()`` (as torch does)."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
-
-
-def _default_save_fn() -> SaveFn:
-    from refdcp.api import save
-
-    return save
-
-
 def async_save(
     state_dict: dict[str, Any],
     *,
@@ -188,7 +135,7 @@ def async_save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     stager: AsyncStager | None = None,
-    executor: str = "thread",
+    executor: str | Executor = "thread",
     process_group: Any = None,
     comm: Communicator | None = None,
     no_dist: bool = False,
@@ -204,31 +151,17 @@ def async_save(
     with the staged dict and the keyword arguments ``checkpoint_id``,
     ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``.
     """
-    if executor not in ("thread", "process"):
-        raise ValueError(f"executor must be 'thread' or 'process', not {executor!r}")
-    if executor == "process":
-        from refdcp.asyncsave.process_executor import async_save_process
-
-        return async_save_process(
-            state_dict,
-            checkpoint_id=checkpoint_id,
-            storage_writer=storage_writer,
-            planner=planner,
-            stager=stager,
-            process_group=process_group,
-            comm=comm,
-            no_dist=no_dist,
-            limiter=limiter,
-        )
-    bg_comm = _background_comm(comm, process_group, no_dist)
+    plan = executor_for(executor).plan(
+        comm=comm, process_group=process_group, no_dist=no_dist, save_fn=save_fn
+    )
+    bg_comm, fn = plan.comm, plan.save_fn
     limiter = _default_limiter(comm) if limiter is None else limiter
-    fn = _default_save_fn() if save_fn is None else save_fn
     stager_ = CpuStager() if stager is None else stager
 
     limiter.acquire()
     handle = AsyncSaveHandle()
     try:
-        staged_or_future = stager_.stage(_unwrap_stateful(state_dict))
+        staged_or_future = stager_.stage(unwrap_stateful(state_dict))
     except BaseException:
         limiter.release()
         raise
@@ -294,7 +227,7 @@ def async_save(
     return handle
 
 
-_CHANNELS: dict[int | None, list[Callable[[], None]]] = {}
+_CHANNELS: dict[object, list[Callable[[], None]]] = {}
 _CHANNELS_LOCK = threading.Lock()
 
 
@@ -304,7 +237,7 @@ def _submit_serial(channel: object, job: Callable[[], None]) -> None:
     Saves over one communicator (or one process group) run one at a time, in
     call order, so every rank issues their collectives in the same order.
     """
-    key = None if channel is None else id(channel)
+    key = channel  # held strongly while its jobs are pending, so never a reused id
     with _CHANNELS_LOCK:
         pending = _CHANNELS.get(key)
         if pending is not None:  # a worker is draining this channel

@@ -24,13 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from refdcp.errors import CheckpointError, CommAborted, CommError, CommTimeout, RefdcpError
+from refdcp.errors import (
+    CheckpointError,
+    CollectiveMismatch,
+    CommAborted,
+    CommTimeout,
+    RefdcpError,
+)
 
 __all__ = ["CollectiveMismatch", "FakeComm", "FakeWorld", "RankFailures"]
-
-
-class CollectiveMismatch(CommError):
-    """Ranks called different collectives at the same position (COMM-7)."""
 
 
 class RankFailures(RefdcpError):

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from refdcp.comm.base import DEFAULT_TIMEOUT_S
-from refdcp.comm.fake import CollectiveMismatch
-from refdcp.errors import CommAborted, CommError, CommTimeout
+from refdcp.errors import CollectiveMismatch, CommAborted, CommError, CommTimeout
 
 __all__ = ["TorchDistComm"]
 

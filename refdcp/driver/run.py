@@ -4,7 +4,10 @@ The driver is the only place where the machine's actions meet the world:
 local steps call planners and storage; collectives go through the
 Communicator. Exceptions from local steps become failures that travel through
 the next collective (PROTO-4). A collective that itself fails (timeout, a
-peer left) ends this rank at once with a CheckpointError (COMM-5).
+peer left) ends this rank at once with a CheckpointError (COMM-5). A fault
+hook that raises is one more ``err`` event for the machine, whatever the
+action (PROTO-7); what follows, including after the last action, is the
+table's business (``done --err--> failed``), not the driver's.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from refdcp.comm.base import Communicator
-from refdcp.errors import CheckpointError, CommError, Failure
+from refdcp.errors import CheckpointError, CommError, Failure, FailureReport
 from refdcp.protocol.machine import Action, Event, Kind, On, State, Table
+from refdcp.protocol.names import Slot, Step
 
 __all__ = [
     "FaultHook",
@@ -24,18 +28,21 @@ __all__ = [
     "StepRecord",
     "apply_collective_result",
     "drive",
+    "fault_event",
     "local_event",
+    "record",
     "step_name",
+    "terminal",
 ]
 
 
 class _Ctx(Protocol):
     rank: int
 
-    def run(self, step: str) -> None: ...
-    def payload(self, slot: str) -> Any: ...
-    def store(self, slot: str, value: Any) -> None: ...
-    def result(self, slot: str) -> Any: ...
+    def run(self, step: Step) -> None: ...
+    def payload(self, slot: Slot) -> Any: ...
+    def store(self, slot: Slot, value: Any) -> None: ...
+    def result(self, slot: Slot | None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -58,25 +65,47 @@ Observer = Callable[[StepRecord], None]
 
 def step_name(action: Action) -> str:
     """The name a failure at ``action`` is reported under (ERR-4)."""
-    return action.step if action.kind is Kind.LOCAL else action.phase
+    return str(action.step) if action.step is not None else str(action.phase)
+
+
+def record(state: State, index: int, action: Action, on: On, seconds: float) -> StepRecord:
+    return StepRecord(state.rank, index, str(action.phase), action.kind, action.name, on, seconds)
+
+
+def fault_event(rank: int, action: Action, exc: BaseException) -> Event:
+    """A fault hook raised before ``action``: an ``err`` event like any other (PROTO-7)."""
+    return Event(On.ERR, failure=Failure.capture(rank, step_name(action), exc))
 
 
 def local_event(ctx: _Ctx, action: Action) -> Event:
+    assert action.step is not None
     try:
         ctx.run(action.step)
     except Exception as exc:
-        return Event(On.ERR, failure=Failure.capture(ctx.rank, action.step, exc))
+        return Event(On.ERR, failure=Failure.capture(ctx.rank, str(action.step), exc))
     return Event(On.OK)
 
 
 def fan_in_payload(ctx: _Ctx, action: Action) -> Any:
-    return action.failure if action.failure is not None else ctx.payload(action.step)
+    if action.failure is not None:
+        return action.failure
+    assert action.send is not None
+    return ctx.payload(action.send)
 
 
 def fan_out_payload(ctx: _Ctx, action: Action, world_size: int) -> Any:
     if action.error is not None:
         return [action.error] * world_size if action.kind is Kind.SCATTER else action.error
-    return ctx.payload(action.step)
+    assert action.send is not None
+    return ctx.payload(action.send)
+
+
+def terminal(ctx: _Ctx, action: Action) -> Any:
+    """RETURN: the named result; RAISE: the agreed failures as a CheckpointError (ERR-1)."""
+    if action.kind is Kind.RETURN:
+        return ctx.result(action.send)
+    assert action.error is not None
+    return CheckpointError.from_report(action.error)
 
 
 def apply_collective_result(
@@ -89,13 +118,14 @@ def apply_collective_result(
         failures = {r: v for r, v in enumerate(received) if isinstance(v, Failure)}
         if failures:
             first = failures[min(failures)]
-            return Event(
-                On.GOT_ERR, error=CheckpointError(first.step, failures, committed=state.committed)
-            )
+            report = FailureReport(first.step, failures, committed=state.committed)
+            return Event(On.GOT_ERR, error=report)
+        assert action.recv is not None
         ctx.store(action.recv, received)
         return Event(On.GOT_OK)
-    if isinstance(received, CheckpointError):
+    if isinstance(received, FailureReport):
         return Event(On.GOT_ERR, error=received)
+    assert action.recv is not None
     ctx.store(action.recv, received)
     return Event(On.GOT_OK)
 
@@ -117,48 +147,26 @@ def drive(
             try:
                 fault(index, action)
             except Exception as exc:
-                failure = Failure.capture(comm.rank, step_name(action), exc)
-                if action.kind is Kind.RETURN:
-                    raise CheckpointError(
-                        action.phase, {comm.rank: failure}, committed=state.committed
-                    ) from exc
-                if action.kind is Kind.RAISE:
-                    raise action.error from exc  # type: ignore[misc]
-                state, action = _advance(
-                    table, state, Event(On.ERR, failure=failure), observer, action, index, 0.0
-                )
+                event = fault_event(comm.rank, action, exc)
+                if observer is not None:
+                    observer(record(state, index, action, event.on, 0.0))
+                state, action = table.transition(state, event)
                 index += 1
                 continue
         if action.kind is Kind.RETURN:
-            return ctx.result(action.step)
+            return ctx.result(action.send)
         if action.kind is Kind.RAISE:
             assert action.error is not None
-            raise action.error
+            raise CheckpointError.from_report(action.error)
         t0 = time.perf_counter()
         if action.kind is Kind.LOCAL:
             event = local_event(ctx, action)
         else:
             event = _collective(ctx, state, action, comm)
-        state, action = _advance(
-            table, state, event, observer, action, index, time.perf_counter() - t0
-        )
+        if observer is not None:
+            observer(record(state, index, action, event.on, time.perf_counter() - t0))
+        state, action = table.transition(state, event)
         index += 1
-
-
-def _advance(
-    table: Table,
-    state: State,
-    event: Event,
-    observer: Observer | None,
-    action: Action,
-    index: int,
-    seconds: float,
-) -> tuple[State, Action]:
-    if observer is not None:
-        observer(
-            StepRecord(state.rank, index, action.phase, action.kind, action.step, event.on, seconds)
-        )
-    return table.transition(state, event)
 
 
 def _collective(ctx: _Ctx, state: State, action: Action, comm: Communicator) -> Event:

@@ -9,6 +9,7 @@ them as :class:`Deadlock` instead (PROTO-5).
 A :class:`Fault` raises an exception on one rank *before* its action number
 ``index`` (0-based); ``index`` equal to the number of actions the rank takes
 means "after its last action". This enumerates every point of a protocol run.
+The fault becomes the machine's ``err`` event; its table says what follows.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from refdcp.driver.run import (
     apply_collective_result,
     fan_in_payload,
     fan_out_payload,
+    fault_event,
     local_event,
+    record,
+    terminal,
 )
-from refdcp.driver.run import step_name as _step_name
-from refdcp.errors import CheckpointError, Failure, RefdcpError
-from refdcp.protocol.machine import COLLECTIVES, Action, Event, Kind, On, State, Table
+from refdcp.errors import RefdcpError
+from refdcp.protocol.machine import COLLECTIVES, TERMINAL, Action, Event, Kind, State, Table
 
 __all__ = ["Deadlock", "Fault", "InjectedFault", "SimResult", "simulate"]
 
@@ -95,32 +98,20 @@ def simulate(
         ranks.append(_Rank(ctx, state, action))
 
     def feed(rk: _Rank, event: Event, seconds: float = 0.0) -> None:
-        a = rk.action
-        observe(StepRecord(rk.state.rank, rk.index, a.phase, a.kind, a.step, event.on, seconds))
-        rk.log.append(a)
+        observe(record(rk.state, rk.index, rk.action, event.on, seconds))
+        rk.log.append(rk.action)
         rk.index += 1
         rk.state, rk.action = table.transition(rk.state, event)
 
     def advance(rk: _Rank) -> None:
         while not rk.done:
             a = rk.action
-            faulted = fault is not None and fault.rank == rk.state.rank and fault.index == rk.index
-            if faulted and a.kind is not Kind.RAISE:  # a rank already raising just raises
-                assert fault is not None
-                failure = Failure.capture(rk.state.rank, _step_name(a), fault.exc)
-                if a.kind is not Kind.RETURN:
-                    feed(rk, Event(On.ERR, failure=failure))
-                    continue
-                # after the last action: this rank fails alone, with the commit state it saw
+            if fault is not None and (fault.rank, fault.index) == (rk.state.rank, rk.index):
+                feed(rk, fault_event(rk.state.rank, a, fault.exc))  # the table decides (PROTO-7)
+                continue
+            if a.kind in TERMINAL:
                 rk.done = True
-                rk.result = CheckpointError(
-                    a.phase, {rk.state.rank: failure}, committed=rk.state.committed
-                )
-                rk.log.append(a)
-                return
-            if a.kind in (Kind.RETURN, Kind.RAISE):
-                rk.done = True
-                rk.result = rk.ctx.result(a.step) if a.kind is Kind.RETURN else a.error
+                rk.result = terminal(rk.ctx, a)
                 rk.log.append(a)
                 return
             if a.kind in COLLECTIVES:

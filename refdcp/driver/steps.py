@@ -1,8 +1,11 @@
 """The local steps of the save and load protocols: calls into planners, storage and Stateful.
 
-Each protocol rank owns one context object. The machine names a step; the
-driver calls ``ctx.run(step)``. Collectives read payloads with
-``ctx.payload(slot)`` and store results with ``ctx.store(slot, value)``.
+Each protocol rank owns one context object. The machine names a
+:class:`~refdcp.protocol.names.Step`; the driver calls ``ctx.run(step)``, which
+calls the handler its class's ``HANDLERS`` map names for it (PROTO-10).
+Collectives read payloads with ``ctx.payload(slot)`` (a missing slot is a
+:class:`~refdcp.errors.ProtocolError`, PROTO-11) and store results with
+``ctx.store(slot, value)``.
 Planner and storage objects are any implementations of torch's ABCs
 (API-3): refdcp's own, torch's, or a third party's.
 """
@@ -10,9 +13,9 @@ Planner and storage objects are any implementations of torch's ABCs
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
@@ -20,8 +23,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.errors import ProtocolError
+from refdcp.protocol.names import Slot, Step
 
-__all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer"]
+__all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer", "unwrap_stateful"]
+
+
+def unwrap_stateful(state_dict: dict[Any, Any]) -> dict[Any, Any]:
+    """Top-level ``Stateful`` values replaced by their ``state_dict()``, in key order (SAVE-1, LOAD-1)."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
@@ -70,19 +79,34 @@ class _Base:
     world_size: int
     coordinator: bool
     state_dict: dict[str, Any]
-    slots: dict[str, Any] = field(default_factory=dict)
+    slots: dict[Slot, Any] = field(default_factory=dict)
 
-    def payload(self, slot: str) -> Any:
-        return self.slots.get(slot)
+    #: Step -> the method that runs it; the test checks it matches the table exactly (PROTO-10).
+    HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {}
 
-    def store(self, slot: str, value: Any) -> None:
+    def payload(self, slot: Slot) -> Any:
+        """The value in ``slot``; a slot no step has filled is a ProtocolError (PROTO-11)."""
+        try:
+            return self.slots[slot]
+        except KeyError:
+            raise ProtocolError(
+                "PROTO-11",
+                f"rank {self.rank}: slot {str(slot)!r} holds no value "
+                f"(filled so far: {sorted(map(str, self.slots))})",
+            ) from None
+
+    def store(self, slot: Slot, value: Any) -> None:
         self.slots[slot] = value
 
-    def run(self, step: str) -> None:
-        fn = getattr(self, "step_" + step, None)
-        if fn is None:
-            raise ProtocolError("PROTO-3", f"unknown local step {step!r}")
-        fn()
+    def run(self, step: Step) -> None:
+        handler = self.HANDLERS.get(step)
+        if handler is None:
+            raise ProtocolError("PROTO-10", f"{type(self).__name__} has no step {str(step)!r}")
+        handler(self)
+
+    def result(self, slot: Slot | None) -> Any:
+        """What the machine's RETURN row names: a slot's value, or None (SAVE-8, LOAD-6)."""
+        return None if slot is None else self.payload(slot)
 
 
 @dataclass
@@ -96,11 +120,8 @@ class SaveContext(_Base):
 
     def step_set_up(self) -> None:
         """Stateful values, storage selection, planner and writer set-up (SAVE-1, API-2)."""
-        sd = {
-            k: (v.state_dict() if isinstance(v, Stateful) else v)
-            for k, v in self.state_dict.items()
-        }
-        self.slots["flat_state_dict"] = sd
+        sd = unwrap_stateful(self.state_dict)
+        self.slots[Slot.FLAT_STATE_DICT] = sd
         if self.writer is None:
             assert self.writer_factory is not None
             self.writer = self.writer_factory()
@@ -117,12 +138,12 @@ class SaveContext(_Base):
     def step_local_plan(self) -> None:
         assert self.planner is not None and self.writer is not None
         plan = self.planner.create_local_plan()
-        self.slots["local_plan"] = self.writer.prepare_local_plan(plan)
+        self.slots[Slot.LOCAL_PLAN] = self.writer.prepare_local_plan(plan)
 
     def step_global_plan(self) -> None:
         """Coordinator: global plan and metadata, then the writer's global step (SAVE-3)."""
         assert self.planner is not None and self.writer is not None
-        all_plans: list[SavePlan] = self.slots["all_plans"]
+        all_plans: list[SavePlan] = self.slots[Slot.ALL_PLANS]
         plans, metadata = self.planner.create_global_plan(all_plans)
         plans = _expect_plans(plans, self.world_size, "SavePlanner.create_global_plan")
         plans = _expect_plans(
@@ -130,28 +151,34 @@ class SaveContext(_Base):
             self.world_size,
             "StorageWriter.prepare_global_plan",
         )
-        self.slots["global_plans"] = plans
-        self.slots["metadata"] = metadata
+        self.slots[Slot.GLOBAL_PLANS] = plans
+        self.slots[Slot.METADATA] = metadata
 
     def step_finish_plan(self) -> None:
         assert self.planner is not None
-        self.slots["final_plan"] = self.planner.finish_plan(self.slots["central_plan"])
+        self.slots[Slot.FINAL_PLAN] = self.planner.finish_plan(self.slots[Slot.CENTRAL_PLAN])
 
     def step_write(self) -> None:
         """Write this rank's items and wait for the results (SAVE-5)."""
         assert self.planner is not None and self.writer is not None
-        fut = self.writer.write_data(self.slots["final_plan"], self.planner)
+        fut = self.writer.write_data(self.slots[Slot.FINAL_PLAN], self.planner)
         fut.wait()
-        self.slots["write_results"] = fut.value()
+        self.slots[Slot.WRITE_RESULTS] = fut.value()
 
     def step_commit(self) -> None:
         """Coordinator: ``StorageWriter.finish``; its return is the commit point (SAVE-6)."""
         assert self.writer is not None
-        metadata: Metadata = self.slots["metadata"]
-        self.writer.finish(metadata=metadata, results=self.slots["all_results"])
+        metadata: Metadata = self.slots[Slot.METADATA]
+        self.writer.finish(metadata=metadata, results=self.slots[Slot.ALL_RESULTS])
 
-    def result(self, slot: str) -> Any:
-        return self.slots.get(slot)
+    HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {
+        Step.SET_UP: step_set_up,
+        Step.LOCAL_PLAN: step_local_plan,
+        Step.GLOBAL_PLAN: step_global_plan,
+        Step.FINISH_PLAN: step_finish_plan,
+        Step.WRITE: step_write,
+        Step.COMMIT: step_commit,
+    }
 
 
 @dataclass
@@ -166,10 +193,8 @@ class LoadContext(_Base):
 
     def step_set_up(self) -> None:
         """Stateful destinations, metadata, planner and reader set-up (LOAD-1, API-2)."""
-        sd: dict[str, Any] = {}
-        for key, value in self.state_dict.items():  # keys of any type, in the caller's order
-            sd[key] = value.state_dict() if isinstance(value, Stateful) else value
-        self.slots["flat_state_dict"] = sd
+        sd = unwrap_stateful(self.state_dict)  # keys of any type, in the caller's order
+        self.slots[Slot.FLAT_STATE_DICT] = sd
         if self.reader is None:
             assert self.reader_factory is not None
             self.reader = self.reader_factory()
@@ -184,22 +209,24 @@ class LoadContext(_Base):
             set_verify(True)
         assert self.planner is not None
         metadata = self.reader.read_metadata()
-        self.slots["metadata"] = metadata
+        self.slots[Slot.METADATA] = metadata
         self.planner.set_up_planner(sd, metadata, self.coordinator)
         set_up_reader(self.reader, metadata, self.coordinator, self.rank)
 
     def step_local_plan(self) -> None:
         assert self.planner is not None and self.reader is not None
-        self.slots["local_plan"] = self.reader.prepare_local_plan(self.planner.create_local_plan())
+        self.slots[Slot.LOCAL_PLAN] = self.reader.prepare_local_plan(
+            self.planner.create_local_plan()
+        )
 
     def step_global_plan(self) -> None:
         assert self.planner is not None and self.reader is not None
         plans = _expect_plans(
-            self.planner.create_global_plan(self.slots["all_plans"]),
+            self.planner.create_global_plan(self.slots[Slot.ALL_PLANS]),
             self.world_size,
             "LoadPlanner.create_global_plan",
         )
-        self.slots["global_plans"] = _expect_plans(
+        self.slots[Slot.GLOBAL_PLANS] = _expect_plans(
             self.reader.prepare_global_plan(plans),
             self.world_size,
             "StorageReader.prepare_global_plan",
@@ -207,23 +234,29 @@ class LoadContext(_Base):
 
     def step_finish_plan(self) -> None:
         assert self.planner is not None
-        self.slots["final_plan"] = self.planner.finish_plan(self.slots["central_plan"])
+        self.slots[Slot.FINAL_PLAN] = self.planner.finish_plan(self.slots[Slot.CENTRAL_PLAN])
 
     def step_read(self) -> None:
         """Read this rank's items into the destination state dict (LOAD-4)."""
         assert self.planner is not None and self.reader is not None
-        self.reader.read_data(self.slots["final_plan"], self.planner).wait()
-        self.slots["read_outcome"] = True
+        self.reader.read_data(self.slots[Slot.FINAL_PLAN], self.planner).wait()
+        self.slots[Slot.READ_OUTCOME] = True
 
     def step_apply(self) -> None:
         """Hand loaded values to Stateful objects; replace other top-level values (LOAD-5, API-2)."""
-        sd = self.slots["flat_state_dict"]
+        sd = self.slots[Slot.FLAT_STATE_DICT]
         for key, value in self.state_dict.items():
             if isinstance(value, Stateful):
                 value.load_state_dict(sd[key])
             else:
                 self.state_dict[key] = sd[key]
-        self.slots["apply_outcome"] = True
+        self.slots[Slot.APPLY_OUTCOME] = True
 
-    def result(self, slot: str) -> Any:
-        return None
+    HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {
+        Step.SET_UP: step_set_up,
+        Step.LOCAL_PLAN: step_local_plan,
+        Step.GLOBAL_PLAN: step_global_plan,
+        Step.FINISH_PLAN: step_finish_plan,
+        Step.READ: step_read,
+        Step.APPLY: step_apply,
+    }

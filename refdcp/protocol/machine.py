@@ -1,17 +1,32 @@
 """Generic sans-I/O protocol machine: a transition table and a pure transition function.
 
-A machine is data (:class:`Table`, a list of :class:`Row`) plus
-:func:`Table.transition`, a pure function ``(State, Event) -> (State, Action)``
-(PROTO-1). It performs no I/O, no collectives and starts no threads; a driver
-executes the returned :class:`Action` and feeds the outcome back as an
-:class:`Event`.
+**Rule 1.** One rank's machine does exactly what the row for its
+``(phase, event, role)`` says, and nothing else: every transition of the save
+and load protocols is one literal row of ``SAVE`` (``protocol/save.py``) or
+``LOAD`` (``protocol/load.py``); an event with no row raises
+:class:`~refdcp.errors.ProtocolError` (PROTO-3). :meth:`Table.transition` is a
+pure function ``(State, Event) -> (State, Action)`` (PROTO-1): no I/O, no
+collective, no thread; a driver executes the :class:`Action` and feeds the
+outcome back as an :class:`Event` (PROTO-2).
 
-Failures are data (PROTO-4): a local failure is kept in ``State.failure`` and
-sent at the next collective instead of the payload; a collective that delivers
-a failure puts the agreed :class:`~refdcp.errors.CheckpointError` in
-``State.error``. While a rank holds a failure it skips local actions and only
-takes part in collectives, so every rank reaches the same terminal state and
-no rank is left waiting (PROTO-5).
+Failures are data (PROTO-4). Two bookkeeping rules apply to every row, and
+are coded here once (:meth:`Table.transition`, :func:`_action`):
+
+* **A failed rank does no work of its own** (PROTO-5, SAVE-9). A local failure
+  (an ``err`` event) is kept in ``State.failure``. While a rank holds one, a
+  row that would call a local step or return is replaced by its next phase's
+  ``err`` row: the rank skips its steps, still joins every collective, and
+  raises at the end instead of returning (the ``done --err--> failed`` row).
+  A fault after a rank's last action is the same ``err`` event in ``done``.
+* **A failure travels in place of the payload** (PROTO-4). At a fan-in
+  collective a rank holding a failure sends it instead of its payload; at a
+  fan-out collective a coordinator holding a failure, or the agreed failures,
+  sends their merged :class:`~refdcp.errors.FailureReport` instead of its
+  payload. A collective that delivers failures puts the agreed report in
+  ``State.error``.
+
+Every rank therefore reaches the same terminal state and no rank is left
+waiting at a collective (PROTO-5).
 """
 
 from __future__ import annotations
@@ -20,25 +35,36 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from refdcp.errors import CheckpointError, Failure, ProtocolError
+from refdcp.errors_core import Failure, FailureReport, ProtocolError
+from refdcp.protocol.names import Phase, Slot, Step
 
 __all__ = [
     "Action",
+    "COLLECTIVES",
+    "Effect",
     "Event",
     "FAN_IN",
     "FAN_OUT",
+    "IDLE",
     "Kind",
     "On",
+    "RAISE",
     "Role",
     "Row",
     "State",
+    "TERMINAL",
     "Table",
-    "COLLECTIVES",
-    "IDLE",
+    "all_gather",
+    "broadcast",
+    "call",
+    "gather",
+    "merged_error",
+    "ret",
+    "scatter",
 ]
 
 #: Phase every machine starts in.
-IDLE = "idle"
+IDLE = Phase.IDLE
 
 
 class On(str, Enum):
@@ -60,7 +86,7 @@ class Kind(str, Enum):
     SCATTER = "scatter"  # the coordinator sends one object per rank
     BROADCAST = "broadcast"  # the coordinator sends one object to every rank
     ALL_GATHER = "all_gather"  # every rank sends, every rank receives the list
-    RETURN = "return"  # terminal: return the named result
+    RETURN = "return"  # terminal: return the named slot (or None)
     RAISE = "raise"  # terminal: raise ``Action.error``
 
 
@@ -76,34 +102,75 @@ class Role(str, Enum):
     PEER = "peer"
 
 
+#: What a row does: (kind, local step, slot sent or returned, slot received).
+Effect = tuple[Kind, Step | None, Slot | None, Slot | None]
+
+
+def call(step: Step) -> Effect:
+    """Call the local step ``step``."""
+    return (Kind.LOCAL, step, None, None)
+
+
+def gather(send: Slot, recv: Slot) -> Effect:
+    return (Kind.GATHER, None, send, recv)
+
+
+def all_gather(send: Slot, recv: Slot) -> Effect:
+    return (Kind.ALL_GATHER, None, send, recv)
+
+
+def scatter(send: Slot, recv: Slot) -> Effect:
+    return (Kind.SCATTER, None, send, recv)
+
+
+def broadcast(send: Slot, recv: Slot) -> Effect:
+    return (Kind.BROADCAST, None, send, recv)
+
+
+def ret(slot: Slot | None = None) -> Effect:
+    """Return the value in ``slot`` (None when no slot)."""
+    return (Kind.RETURN, None, slot, None)
+
+
+#: Raise the agreed failures as a CheckpointError.
+RAISE: Effect = (Kind.RAISE, None, None, None)
+
+
 @dataclass(frozen=True)
 class Row:
-    """One transition: in ``phase``, on ``on`` (for ``role``), go to ``next`` and do ``kind``.
+    """One transition: in ``phase``, on ``on``, for ``role``, go to ``next`` and do ``kind``.
 
-    ``step`` names the local step to call, or the context slot a collective
-    sends; ``recv`` names the slot its result goes to. ``commits`` marks the
-    rows that pass the commit point (SAVE-6). ``req`` is the spec ID the row
-    implements.
+    ``step`` is the local step a LOCAL row calls; ``send`` the context slot a
+    collective sends (or RETURN returns); ``recv`` the slot a collective's
+    result goes to. ``commits`` marks the rows that pass the commit point
+    (SAVE-6). ``req`` is the spec ID the row implements.
     """
 
-    phase: str
+    phase: Phase
     on: On
-    next: str
+    role: Role
+    next: Phase
     kind: Kind
-    step: str = ""
-    recv: str = ""
-    role: Role = Role.ANY
-    commits: bool = False
+    step: Step | None = None
+    send: Slot | None = None
+    recv: Slot | None = None
     req: str = ""
+    commits: bool = False
+
+    def __post_init__(self) -> None:
+        local = self.kind is Kind.LOCAL
+        collective = self.kind in COLLECTIVES
+        if (self.step is not None) != local or (collective and None in (self.send, self.recv)):
+            raise ValueError(f"malformed row {self}")
 
 
 @dataclass(frozen=True)
 class State:
-    phase: str
+    phase: Phase
     rank: int
     coordinator: bool
     failure: Failure | None = None
-    error: CheckpointError | None = None
+    error: FailureReport | None = None
     committed: bool = False
 
 
@@ -111,7 +178,7 @@ class State:
 class Event:
     on: On
     failure: Failure | None = None
-    error: CheckpointError | None = None
+    error: FailureReport | None = None
 
 
 @dataclass(frozen=True)
@@ -124,11 +191,17 @@ class Action:
     """
 
     kind: Kind
-    phase: str
-    step: str = ""
-    recv: str = ""
+    phase: Phase
+    step: Step | None = None
+    send: Slot | None = None
+    recv: Slot | None = None
     failure: Failure | None = None
-    error: CheckpointError | None = None
+    error: FailureReport | None = None
+
+    @property
+    def name(self) -> str:
+        """The local step, else the slot sent or returned, else the phase (for traces)."""
+        return str(self.step or self.send or self.phase)
 
 
 class Table:
@@ -136,9 +209,8 @@ class Table:
 
     def __init__(self, name: str, rows: Iterable[Row]) -> None:
         self.name = name
-        explicit = list(rows)
-        self.rows: list[Row] = explicit + _retry_rows(explicit)
-        self._index: dict[tuple[str, On, Role], Row] = {}
+        self.rows: list[Row] = list(rows)
+        self._index: dict[tuple[Phase, On, Role], Row] = {}
         for row in self.rows:
             key = (row.phase, row.on, row.role)
             if key in self._index:
@@ -146,21 +218,26 @@ class Table:
             self._index[key] = row
 
     @property
-    def phases(self) -> list[str]:
-        seen: dict[str, None] = {}
+    def phases(self) -> list[Phase]:
+        seen: dict[Phase, None] = {}
         for row in self.rows:
             seen.setdefault(row.phase)
             seen.setdefault(row.next)
         return list(seen)
 
-    def lookup(self, phase: str, on: On, coordinator: bool) -> Row:
+    @property
+    def steps(self) -> frozenset[Step]:
+        """Every local step a row calls."""
+        return frozenset(row.step for row in self.rows if row.step is not None)
+
+    def lookup(self, phase: Phase, on: On, coordinator: bool) -> Row:
         role = Role.COORD if coordinator else Role.PEER
         row = self._index.get((phase, on, role)) or self._index.get((phase, on, Role.ANY))
         if row is None:
             raise ProtocolError(
                 "PROTO-3",
                 f"{self.name} protocol: event {on.value!r} is not allowed in phase "
-                f"{phase!r} on the {role.value}",
+                f"{str(phase)!r} on the {role.value}",
             )
         return row
 
@@ -181,15 +258,15 @@ class Table:
             error=event.error if event.on is On.GOT_ERR else state.error,
             committed=state.committed or row.commits,
         )
-        # A rank holding a failure skips its local steps: it only joins collectives (PROTO-5).
-        while row.kind is Kind.LOCAL and new.failure is not None:
+        # A failed rank does no work of its own: it takes the err row instead (PROTO-5).
+        while new.failure is not None and row.kind in (Kind.LOCAL, Kind.RETURN):
             row = self.lookup(new.phase, On.ERR, new.coordinator)
             new = replace(new, phase=row.next, committed=new.committed or row.commits)
         return new, _action(row, new)
 
 
-def merged_error(state: State) -> CheckpointError:
-    """The agreed error plus this rank's own failure, if any (ERR-3)."""
+def merged_error(state: State) -> FailureReport:
+    """The agreed failures plus this rank's own failure, if any (ERR-3)."""
     failures: dict[int, Failure] = {}
     step = ""
     committed = state.committed
@@ -200,49 +277,15 @@ def merged_error(state: State) -> CheckpointError:
     if state.failure is not None:
         failures.setdefault(state.rank, state.failure)
         step = step or state.failure.step
-    return CheckpointError(step or state.phase, failures, committed=committed)
+    return FailureReport(step or str(state.phase), dict(sorted(failures.items())), committed)
 
 
 def _action(row: Row, state: State) -> Action:
-    kind = row.kind
-    if kind in FAN_IN:
-        return Action(kind, row.next, row.step, row.recv, failure=state.failure)
-    if kind in FAN_OUT:
-        err = None
-        if state.coordinator and (state.failure is not None or state.error is not None):
-            err = merged_error(state)
-        return Action(kind, row.next, row.step, row.recv, error=err)
-    if kind is Kind.RETURN and state.failure is not None:
-        # Everyone else succeeded but this rank failed after its last collective (SAVE-9).
+    """The row's action; a held failure rides in place of the payload (PROTO-4)."""
+    if row.kind is Kind.RAISE:
         return Action(Kind.RAISE, row.next, error=merged_error(state))
-    if kind is Kind.RAISE:
-        return Action(Kind.RAISE, row.next, error=merged_error(state))
-    return Action(kind, row.next, row.step, row.recv)
-
-
-def _retry_rows(rows: list[Row]) -> list[Row]:
-    """A fault before a collective re-issues it, carrying the failure (PROTO-5)."""
-    out: list[Row] = []
-    seen: set[tuple[str, Role]] = set()
-    have = {(r.phase, r.on, r.role) for r in rows}
-    for row in rows:
-        if row.kind in COLLECTIVES and (row.next, row.role) not in seen:
-            seen.add((row.next, row.role))
-            if (row.next, On.ERR, row.role) not in have and (
-                row.next,
-                On.ERR,
-                Role.ANY,
-            ) not in have:
-                out.append(
-                    Row(
-                        row.next,
-                        On.ERR,
-                        row.next,
-                        row.kind,
-                        row.step,
-                        row.recv,
-                        row.role,
-                        req="PROTO-5",
-                    )
-                )
-    return out
+    failure = state.failure if row.kind in FAN_IN else None
+    error = None
+    if row.kind in FAN_OUT and state.coordinator and (state.failure or state.error):
+        error = merged_error(state)
+    return Action(row.kind, row.next, row.step, row.send, row.recv, failure=failure, error=error)

@@ -23,7 +23,23 @@ from refdcp.errors import RefdcpError
 from refdcp.staging.machine import LEASED, Action, Event, State, step
 from refdcp.staging.tree import Layout, nbytes_of
 
-__all__ = ["BufferPool", "BufferSet", "Lease", "StagingTimeoutError"]
+__all__ = ["BufferPool", "BufferSet", "Lease", "StagingTimeoutError", "allocate"]
+
+
+def allocate(
+    layout: Layout, *, pin_memory: bool = False, share_memory: bool = False
+) -> list[torch.Tensor | None]:
+    """Fresh contiguous CPU buffers for ``layout`` (``None`` for alias slots), the one allocator."""
+    out: list[torch.Tensor | None] = []
+    for slot in layout:
+        if slot.alias_of is not None:
+            out.append(None)
+            continue
+        t = torch.empty(slot.shape, dtype=slot.dtype, pin_memory=pin_memory)
+        if share_memory:
+            t.share_memory_()  # type: ignore[no-untyped-call]
+        out.append(t)
+    return out
 
 
 class StagingTimeoutError(RefdcpError, TimeoutError):
@@ -191,13 +207,4 @@ class BufferPool:
         return self.max_bytes is None or held + need <= self.max_bytes
 
     def _allocate(self, layout: Layout) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for slot in layout:
-            if slot.alias_of is not None:
-                out.append(None)
-                continue
-            t = torch.empty(slot.shape, dtype=slot.dtype, pin_memory=self.pin_memory)
-            if self.share_memory:
-                t.share_memory_()  # type: ignore[no-untyped-call]
-            out.append(t)
-        return out
+        return allocate(layout, pin_memory=self.pin_memory, share_memory=self.share_memory)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from refdcp.staging.buffer_pool import BufferPool, Lease
+from refdcp.staging.buffer_pool import BufferPool, Lease, allocate
 from refdcp.staging.tree import Layout, build_snapshot, layout_of
 
 __all__ = ["CpuStager", "StagedStateDict", "allocate", "copy_into"]
@@ -32,16 +32,6 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src``'s own elements into the contiguous buffer ``dst`` (STAGE-7)."""
     with torch.no_grad():
         dst.copy_(src.detach())
-
-
-def allocate(layout: Layout, *, pin_memory: bool = False) -> list[torch.Tensor | None]:
-    """Fresh contiguous CPU buffers for ``layout`` (``None`` for alias slots)."""
-    return [
-        None
-        if s.alias_of is not None
-        else torch.empty(s.shape, dtype=s.dtype, pin_memory=pin_memory)
-        for s in layout
-    ]
 
 
 class CpuStager(AsyncStager):

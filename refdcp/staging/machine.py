@@ -1,9 +1,14 @@
 """The stager state machine: one buffer set's life (spec/staging.md, STAGE-1..STAGE-4).
 
 Pure data plus a transition function: ``step(state, event) -> (next state,
-action)``. No I/O and no tensors; the buffer pool executes the actions.
-Anything not in :data:`TRANSITIONS` raises :class:`refdcp.errors.ProtocolError`
-naming the requirement it breaks (STAGE-2).
+action)``. No I/O and no tensors. The machine guards the buffer set's life:
+the buffer pool feeds it every event and keeps the returned state; of the
+actions only ``FREE`` is executed by the pool itself (it drops the buffers),
+the others name what the pool's caller does around the call (the stager
+copies, resolves the snapshot, returns the lease). Anything not in
+:data:`TRANSITIONS` raises :class:`refdcp.errors.ProtocolError` naming the
+requirement it breaks (STAGE-2). ``spec/staging.md``'s table is generated
+from :data:`TRANSITIONS` (STAGE-21).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ from refdcp.storage.errors import (
     CheckpointExistsError,
     CorruptionError,
     FormatVersionError,
+    MissingChecksumError,
     UnsafeMetadataError,
 )
 from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
-from refdcp.storage.items import MissingChecksumError
 from refdcp.storage.memory import MemoryReader, MemoryStorage, MemoryWriter
 from refdcp.storage.verify import VerifyReport, verify_checkpoint
 

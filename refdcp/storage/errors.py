@@ -8,6 +8,7 @@ __all__ = [
     "CheckpointExistsError",
     "CorruptionError",
     "FormatVersionError",
+    "MissingChecksumError",
     "UnsafeMetadataError",
 ]
 
@@ -47,3 +48,7 @@ class FormatVersionError(RefdcpError):
 
 class CheckpointExistsError(RefdcpError, FileExistsError):
     """``overwrite=False`` and a committed checkpoint is already at the path (STORE-6)."""
+
+
+class MissingChecksumError(RefdcpError):
+    """verify was requested for an item that has no recorded checksum (INTEG-5)."""

@@ -48,11 +48,10 @@ from refdcp.storage.items import (
     verify_blob,
     whole_chunk,
 )
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.safe_metadata import dump_metadata, finalize_metadata, load_metadata
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 
-_DCP_VERSION = "1.0.0"
 _FLUSH_BYTES = 4 << 20
 _MAX_IOV = 512
 
@@ -205,9 +204,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.path.mkdir(parents=True, exist_ok=True)
-        existing = self.path / layout.rank_metadata_name(
-            None if self.use_collectives or self.rank is None else 0
-        )
+        existing = self.path / layout.rank_metadata_name(self._metadata_rank())
         if existing.exists() and not self.overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {self.path} and overwrite=False"
@@ -277,13 +274,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.version = _DCP_VERSION
-        storage_md: dict[Any, Any] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                storage_md[wr.index] = wr.storage_data
-        metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
+        storage_md = finalize_metadata(metadata, results, self.storage_meta())
         blob = dump_metadata(metadata)
         rank = self._metadata_rank()
         tmp = self.path / layout.metadata_temp_name(rank, self.save_id)

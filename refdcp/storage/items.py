@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from refdcp.errors import RefdcpError
-from refdcp.storage.errors import CorruptionError
+from refdcp.storage.errors import CorruptionError, MissingChecksumError
 from refdcp.storage.zipframe import MAX_FRAMED_BYTES, frame_for
 
 __all__ = [
@@ -234,7 +234,3 @@ def verify_blob(blob: memoryview | bytes, info: Any, fqn: str, file: str) -> Non
             file=file,
             offset=info.offset,
         )
-
-
-class MissingChecksumError(RefdcpError):
-    """verify was requested for an item that has no recorded checksum (INTEG-5)."""

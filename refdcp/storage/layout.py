@@ -13,6 +13,8 @@ __all__ = [
     "METADATA_NAME",
     "assign_rank_prefixes",
     "plan_prefix",
+    "rank_of_file",
+    "rank_of_metadata",
     "data_file_name",
     "is_data_file",
     "is_metadata_temp",
@@ -24,6 +26,8 @@ __all__ = [
 METADATA_NAME = ".metadata"
 DATA_SUFFIX = ".distcp"
 _TEMP = re.compile(r"^(__\d+)?\.metadata\.([0-9a-f]+\.)?tmp$")
+_RANK_PREFIX = re.compile(r"^__(\d+)_")
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 
 
 def new_save_token() -> str:
@@ -44,6 +48,18 @@ def rank_metadata_name(rank: int | None) -> str:
 def metadata_temp_name(rank: int | None, token: str) -> str:
     """The temporary name ``.metadata`` is written under before its atomic rename."""
     return f"{rank_metadata_name(rank)}.{token}.tmp"
+
+
+def rank_of_file(name: str) -> int | None:
+    """The rank in a data file's ``__{rank}_`` prefix, or None."""
+    m = _RANK_PREFIX.match(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_of_metadata(name: str) -> int | None:
+    """The rank of a rank-local ``__{rank}.metadata`` file, or None for any other name."""
+    m = _RANK_METADATA.match(name)
+    return int(m.group(1)) if m else None
 
 
 def is_data_file(name: str) -> bool:

@@ -44,7 +44,7 @@ from refdcp.storage.items import (
     make_storage_info,
     verify_blob,
 )
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.safe_metadata import dump_metadata, finalize_metadata, load_metadata
 
 __all__ = ["MemoryReader", "MemoryStorage", "MemoryWriter"]
 
@@ -194,13 +194,7 @@ class MemoryWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.version = "1.0.0"
-        storage_md: dict[Any, Any] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                storage_md[wr.index] = wr.storage_data
-        metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
+        storage_md = finalize_metadata(metadata, results, self.storage_meta())
         names = {i.relative_path for i in storage_md.values() if isinstance(i, _StorageInfo)}
         self.storage._commit(self.checkpoint_id, dump_metadata(metadata), names)
 

@@ -17,15 +17,19 @@ from typing import Any
 
 import crc32c
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.storage import WriteResult
 
 from refdcp.storage.errors import CorruptionError, FormatVersionError, UnsafeMetadataError
 
 __all__ = [
+    "DCP_VERSION",
     "FORMAT_ATTR",
     "KNOWN_DCP_VERSIONS",
     "REFDCP_FORMAT",
     "dump_metadata",
+    "finalize_metadata",
+    "has_checksum_trailer",
     "load_metadata",
     "safe_loads",
 ]
@@ -33,11 +37,15 @@ __all__ = [
 #: Extra attribute refdcp sets on the pickled Metadata: its own format number.
 FORMAT_ATTR = "refdcp_format"
 REFDCP_FORMAT = 1
+#: The ``Metadata.version`` refdcp writes (torch 2.13's).
+DCP_VERSION = "1.0.0"
 #: ``Metadata.version`` values this reader understands (None: pre-2.4 torch).
-KNOWN_DCP_VERSIONS = frozenset({None, "1.0.0"})
+KNOWN_DCP_VERSIONS = frozenset({None, DCP_VERSION})
 
-_TRAILER = re.compile(rb"#refdcp-crc32c:([0-9a-f]{8})\n\Z")
-_TRAILER_LEN = len(b"#refdcp-crc32c:") + 9
+#: ``.metadata`` ends with this prefix, 8 hex digits of CRC-32C and a newline (INTEG-2).
+TRAILER_PREFIX = b"#refdcp-crc32c:"
+_TRAILER = re.compile(re.escape(TRAILER_PREFIX) + rb"([0-9a-f]{8})\n\Z")
+_TRAILER_LEN = len(TRAILER_PREFIX) + 9
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, frozenset[str]] = {
@@ -91,7 +99,30 @@ def dump_metadata(metadata: Metadata) -> bytes:
     """The bytes of a refdcp ``.metadata`` file: pickle + CRC-32C trailer (FMT-1, INTEG-2)."""
     setattr(metadata, FORMAT_ATTR, REFDCP_FORMAT)
     body = pickle.dumps(metadata)
-    return body + b"#refdcp-crc32c:%08x\n" % crc32c.crc32c(body)
+    return body + TRAILER_PREFIX + b"%08x\n" % crc32c.crc32c(body)
+
+
+def has_checksum_trailer(data: bytes) -> bool:
+    """Whether ``.metadata`` bytes end with refdcp's checksum trailer (not whether it matches)."""
+    return _TRAILER.search(data[-_TRAILER_LEN:]) is not None
+
+
+def finalize_metadata(
+    metadata: Metadata, results: list[list[WriteResult]], storage_meta: StorageMeta | None
+) -> dict[Any, Any]:
+    """What ``finish`` records before committing, for every refdcp storage (FMT-1, STORE-1).
+
+    Sets the DCP version, the merged per-item storage data of every rank's
+    write results and the storage meta; returns the storage data.
+    """
+    metadata.version = DCP_VERSION
+    storage_md: dict[Any, Any] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            storage_md[wr.index] = wr.storage_data
+    metadata.storage_data = storage_md
+    metadata.storage_meta = storage_meta
+    return storage_md
 
 
 def load_metadata(data: bytes, *, file: str = ".metadata") -> Metadata:

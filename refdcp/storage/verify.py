@@ -11,8 +11,13 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from refdcp.storage import layout
-from refdcp.storage.errors import CorruptionError, FormatVersionError, UnsafeMetadataError
-from refdcp.storage.items import MissingChecksumError, verify_blob
+from refdcp.storage.errors import (
+    CorruptionError,
+    FormatVersionError,
+    MissingChecksumError,
+    UnsafeMetadataError,
+)
+from refdcp.storage.items import verify_blob
 from refdcp.storage.safe_metadata import load_metadata
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint", "verify_files"]

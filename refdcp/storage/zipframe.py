@@ -24,7 +24,7 @@ from typing import Any
 import crc32c
 import torch
 
-__all__ = ["Frame", "frame_for", "MAX_FRAMED_BYTES", "parse_data_span"]
+__all__ = ["Frame", "frame_for", "MAX_FRAMED_BYTES"]
 
 #: Tensors at least this large fall back to ``torch.save`` (zip64 territory).
 MAX_FRAMED_BYTES = 0xFFFF_0000
@@ -48,14 +48,6 @@ class Frame:
     data_crc_at_head: int
     data_crc_at_tail: int
     head_crc: int
-
-    def with_crc(self, crc: int) -> tuple[bytes, bytes]:
-        """Head and tail with the data member's zip CRC-32 filled in."""
-        head = bytearray(self.head)
-        tail = bytearray(self.tail)
-        struct.pack_into("<I", head, self.data_crc_at_head, crc)
-        struct.pack_into("<I", tail, self.data_crc_at_tail, crc)
-        return bytes(head), bytes(tail)
 
 
 class _StoragePickler(pickle.Pickler):
@@ -151,25 +143,3 @@ def frame_for(dtype: torch.dtype, shape: tuple[int, ...]) -> Frame:
             _FRAMES.clear()
         _FRAMES[key] = frame
     return frame
-
-
-def parse_data_span(blob_head: bytes) -> tuple[int, int] | None:
-    """(offset, length) of ``*/data/0`` inside a refdcp-framed blob, from its head.
-
-    Returns None when the bytes do not start with refdcp's member order; the
-    caller then falls back to ``torch.load``.
-    """
-    pos = 0
-    for _ in range(5):
-        if len(blob_head) < pos + _LOCAL.size:
-            return None
-        fields = _LOCAL.unpack_from(blob_head, pos)
-        if fields[0] != _LOCAL_SIG or fields[3] != 0:
-            return None
-        name_len, extra_len, size = fields[9], fields[10], fields[8]
-        name = blob_head[pos + _LOCAL.size : pos + _LOCAL.size + name_len]
-        data_at = pos + _LOCAL.size + name_len + extra_len
-        if name.endswith(b"/data/0"):
-            return data_at, size
-        pos = data_at + size
-    return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,14 +23,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from refdcp.storage import layout
+from refdcp.storage.safe_metadata import FORMAT_ATTR, has_checksum_trailer
+
 __all__ = ["MetadataLoadError", "inspect_checkpoint", "inspect_command", "load_metadata_safely"]
 
-METADATA_FILE = ".metadata"
-_RANK_PREFIX = re.compile(r"^__(\d+)_")
-_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+METADATA_FILE = layout.METADATA_NAME
 _CHECKSUM_WORDS = ("checksum", "crc", "digest", "sha256", "hash")
-
-_METADATA_TRAILER = re.compile(rb"#refdcp-crc32c:[0-9a-f]{8}\n\Z")
 
 
 class MetadataLoadError(RuntimeError):
@@ -50,8 +48,7 @@ def load_metadata_safely(path: str | os.PathLike[str]) -> Metadata:
 
 
 def _rank_of(relative_path: str) -> int | None:
-    m = _RANK_PREFIX.match(os.path.basename(relative_path))
-    return int(m.group(1)) if m else None
+    return layout.rank_of_file(os.path.basename(relative_path))
 
 
 def _fields_of(obj: object) -> dict[str, Any]:
@@ -176,15 +173,15 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         "keys": [],
         "files": [],
         "ranks": {},
-        "rank_local_metadata": sorted(n for n in names if _RANK_METADATA.match(n)),
+        "rank_local_metadata": sorted(n for n in names if layout.rank_of_metadata(n) is not None),
     }
     referenced: set[str] = {METADATA_FILE} if committed else set()
     if committed:
         md = load_metadata_safely(root / METADATA_FILE)
         report["format_version"] = md.version
-        report["refdcp_format"] = getattr(md, "refdcp_format", None)
+        report["refdcp_format"] = getattr(md, FORMAT_ATTR, None)
         tail = (root / METADATA_FILE).read_bytes()[-64:]
-        report["metadata_checksum"] = _METADATA_TRAILER.search(tail) is not None
+        report["metadata_checksum"] = has_checksum_trailer(tail)
         sm = md.storage_meta
         if sm is not None:
             report["storage_meta"] = {

@@ -11,6 +11,7 @@ read boxes that reshard saved chunks onto the new layout.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,8 +34,11 @@ from torch.distributed.checkpoint.planner import (
 
 from refdcp.driver import LoadContext, SaveContext, StepRecord, simulate
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
+from refdcp.planning.dedup_reference import Decision, reference_dedup
 from refdcp.planning.global_metadata import build_state_dict_metadata
+from refdcp.planning.local_plan import chunk_nbytes
 from refdcp.protocol import LOAD, SAVE, Kind
+from refdcp.protocol.names import Slot
 from refdcp.storage.memory import MemoryStorage
 
 __all__ = [
@@ -109,16 +113,6 @@ class _NoDedupPlanner(DefaultSavePlanner):
 
 
 @dataclass
-class Decision:
-    fqn: str
-    offsets: tuple[int, ...]
-    nbytes: int
-    holders: list[int]
-    writer: int
-    reason: str
-
-
-@dataclass
 class TraceResult:
     save_world: int
     load_world: int
@@ -136,52 +130,25 @@ class TraceResult:
     verified: bool = False
 
 
-def _item_bytes(item: WriteItem) -> int:
-    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-        return 0
-    n = 1
-    for s in item.tensor_data.chunk.sizes:
-        n *= int(s)
-    return n * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-
-
 def explain_dedup(local: Sequence[SavePlan], final: Sequence[SavePlan]) -> list[Decision]:
-    """Each replicated (fqn, chunk): who held it, who writes it, and why (TRACE-3).
+    """Each replicated (fqn, chunk): who held it, who writes it, and why (TRACE-3, TRACE-7).
 
-    The reason replays the documented rule (DEDUP-2, DEDUP-7): non-tensor
-    items stay on the coordinator; tensors go largest first to the holder
-    with the fewest bytes so far, after every rank's unreplicated bytes.
+    The records are the reference rule's own (``planning/dedup_reference.py``),
+    for the planner's default options; a writer that differs from the
+    planner's actual choice (``final``) is flagged with ``(!)``.
     """
-    holders: dict[tuple[str, Any], list[int]] = {}
-    items: dict[tuple[str, Any], WriteItem] = {}
-    for r, plan in enumerate(local):
-        for it in plan.items:
-            key = (it.index.fqn, it.index.offset)
-            holders.setdefault(key, []).append(r)
-            items.setdefault(key, it)
-    writer = {(it.index.fqn, it.index.offset): r for r, p in enumerate(final) for it in p.items}
-    loads = [0] * len(local)
-    for key, hs in holders.items():
-        if len(hs) == 1:
-            loads[hs[0]] += _item_bytes(items[key])
-    replicated = [k for k, hs in holders.items() if len(hs) > 1]
-    replicated.sort(key=lambda k: -_item_bytes(items[k]))
+    _, _, decisions = reference_dedup([list(p.items) for p in local])
+    writer = {
+        (it.index.fqn, tuple(int(o) for o in (it.index.offset or ()))): r
+        for r, p in enumerate(final)
+        for it in p.items
+    }
     out = []
-    for key in replicated:
-        it, hs, w = items[key], holders[key], writer.get(key, -1)
-        nbytes = _item_bytes(it)
-        if it.type == WriteItemType.BYTE_IO:
-            reason = "non-tensor item: kept on the coordinator so loads read one file"
-        else:
-            before = {h: loads[h] for h in hs}
-            reason = (
-                f"fewest bytes so far among holders ({before[w]} B; "
-                + ", ".join(f"r{h}={b}" for h, b in before.items())
-                + ")"
-            )
-            loads[w] += nbytes
-        offsets = tuple(int(o) for o in (it.index.offset or ()))
-        out.append(Decision(key[0], offsets, nbytes, hs, w, reason))
+    for d in decisions:
+        actual = writer.get((d.fqn, d.offsets), -1)
+        if actual != d.writer:
+            d = dataclasses.replace(d, reason=f"{d.reason} (!) the planner chose rank {actual}")
+        out.append(d)
     return out
 
 
@@ -209,14 +176,14 @@ def run_trace(
         for r in range(save_world)
     ]
     sim = simulate(SAVE, saves, observer=res.save_steps.append)
-    res.local_plans = [c.slots["local_plan"] for c in saves]
+    res.local_plans = [c.slots[Slot.LOCAL_PLAN] for c in saves]
     errors = sim.errors()
     if errors:
         res.save_error = str(errors[0]).splitlines()[0] + "\n" + _problem_lines(errors[0])
         return res
-    res.final_plans = [c.slots["final_plan"] for c in saves]
+    res.final_plans = [c.slots[Slot.FINAL_PLAN] for c in saves]
     res.decisions = explain_dedup(res.local_plans, res.final_plans)
-    res.writes = [list(c.slots["write_results"]) for c in saves]
+    res.writes = [list(c.slots[Slot.WRITE_RESULTS]) for c in saves]
     res.metadata = sim.results[0]
     loads = [
         LoadContext(
@@ -232,7 +199,7 @@ def run_trace(
     lsim = simulate(LOAD, loads, observer=res.load_steps.append)
     if lsim.errors():
         raise next(iter(lsim.errors().values()))
-    res.read_plans = [c.slots["final_plan"] for c in loads]
+    res.read_plans = [c.slots[Slot.FINAL_PLAN] for c in loads]
     res.verified = all(
         _same(c.state_dict, model_state(c.rank, load_world, sharding)) for c in loads
     )
@@ -276,7 +243,7 @@ def _write_item(it: WriteItem) -> str:
     dtype = str(td.properties.dtype).replace("torch.", "")
     return (
         f"{it.index.fqn}  {dtype} box {_box(td.chunk.offsets, td.chunk.sizes)} "
-        f"of {list(td.size)}  {_item_bytes(it)} B"
+        f"of {list(td.size)}  {chunk_nbytes(it)} B"
     )
 
 

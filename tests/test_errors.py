@@ -1,0 +1,65 @@
+"""One exception hierarchy, drawn in refdcp/errors.py and importable from its old places (ERR-6, ERR-7)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import refdcp.errors as errors
+from refdcp.comm.fake import CollectiveMismatch as FakeCollectiveMismatch
+from refdcp.comm.fake import RankFailures
+from refdcp.driver.simulator import Deadlock
+from refdcp.planning.global_metadata import PlanValidationError
+from refdcp.planning.load_policy import LoadPolicyError
+from refdcp.staging.buffer_pool import StagingTimeoutError
+from refdcp.state.state_dict import StateDictError
+from refdcp.storage import errors as storage_errors
+from refdcp.storage.items import MissingChecksumError as ItemsMissingChecksumError
+
+OWN = [
+    errors.ProtocolError,
+    errors.ProblemsError,
+    errors.CommError,
+    errors.CommTimeout,
+    errors.CommAborted,
+    errors.CollectiveMismatch,
+    RankFailures,
+    Deadlock,
+    StagingTimeoutError,
+    StateDictError,
+    PlanValidationError,
+    LoadPolicyError,
+    storage_errors.CorruptionError,
+    storage_errors.MissingChecksumError,
+    storage_errors.UnsafeMetadataError,
+    storage_errors.FormatVersionError,
+    storage_errors.CheckpointExistsError,
+]
+
+
+@pytest.mark.spec("ERR-6")
+@pytest.mark.parametrize("cls", OWN, ids=lambda c: c.__name__)
+def test_every_refdcp_error_derives_from_the_base_and_is_drawn(cls: type) -> None:
+    assert issubclass(cls, errors.RefdcpError)
+    assert f" {cls.__name__} " in (errors.__doc__ or "").replace("\n", " ")
+
+
+@pytest.mark.spec("ERR-6")
+def test_old_import_locations_are_the_same_classes() -> None:
+    assert FakeCollectiveMismatch is errors.CollectiveMismatch
+    assert ItemsMissingChecksumError is storage_errors.MissingChecksumError
+    import refdcp.comm
+    import refdcp.storage
+
+    assert refdcp.comm.CollectiveMismatch is errors.CollectiveMismatch
+    assert refdcp.storage.MissingChecksumError is storage_errors.MissingChecksumError
+    assert not issubclass(errors.CheckpointError, errors.RefdcpError)
+
+
+@pytest.mark.spec("ERR-7")
+def test_problems_error_is_a_refdcp_error_and_a_value_error() -> None:
+    err = PlanValidationError(["a", "b"])
+    assert isinstance(err, errors.RefdcpError) and isinstance(err, ValueError)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is PlanValidationError and back.problems == ["a", "b"]
