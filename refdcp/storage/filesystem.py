@@ -49,6 +49,7 @@ from refdcp.storage.items import (
     whole_chunk,
 )
 from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 
@@ -451,7 +452,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 target.device.type == "cpu"
                 and target.dtype == dtype
                 and tuple(target.shape) == tuple(sizes)
-                and target.is_contiguous()
+                and bytes_are_values(target)
             ):
                 _read_exact(fd, raw_view(target), start, fqn, relative_path)
                 planner.commit_tensor(req, target)
