@@ -64,7 +64,13 @@ class ProtocolError(RefdcpError):
 
 
 class CommError(RefdcpError):
-    """A collective could not complete (COMM-5)."""
+    """A collective could not complete (COMM-5).
+
+    ``ranks`` lists the ranks known not to have joined it (left or missing),
+    when the communicator can tell (COMM-60); empty otherwise.
+    """
+
+    ranks: tuple[int, ...] = ()
 
 
 class CommTimeout(CommError, TimeoutError):
@@ -112,11 +118,12 @@ class CheckpointError(CheckpointException, Exception):
     ``CheckpointException.failures``; ``tracebacks`` maps rank -> formatted
     traceback text; ``steps`` maps rank -> the protocol step that failed;
     ``committed`` tells whether the checkpoint reached its commit point before
-    the failure (SAVE-9).
+    the failure (SAVE-9): True, False, or None when this rank cannot know
+    (SAVE-15); ``commit_status`` says it in words, with the reason.
     """
 
     def __init__(
-        self, step: str, failures: Mapping[int, Failure], *, committed: bool = False
+        self, step: str, failures: Mapping[int, Failure], *, committed: bool | None = False
     ) -> None:
         wrapped = {
             rank: (f.exception, traceback.StackSummary.from_list([]))
@@ -129,16 +136,35 @@ class CheckpointError(CheckpointException, Exception):
         self.steps = {rank: f.step for rank, f in self.rank_failures.items()}
         self.committed = committed
 
+    @property
+    def commit_status(self) -> str:
+        """Whether the checkpoint was committed, in words; the reason when unknown (SAVE-15)."""
+        if self.committed:
+            return "the checkpoint WAS committed before this failure"
+        if self.committed is False:
+            return "nothing was committed"
+        at_commit = [r for r, f in self.rank_failures.items() if f.step == "commit"]
+        if at_commit:
+            why = (
+                f"StorageWriter.finish raised on rank {at_commit[0]} and may have committed "
+                "before raising"
+            )
+        else:
+            lost = [r for r, f in self.rank_failures.items() if isinstance(f.exception, CommError)]
+            why = (
+                f"rank(s) {lost or sorted(self.rank_failures)} lost the coordinator after "
+                "sending their write results; it may have committed"
+            )
+        return f"commit status UNKNOWN: {why}; check the checkpoint (refdcp verify PATH)"
+
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_checkpoint_error, (self.step, self.rank_failures, self.committed))
 
     def __str__(self) -> str:
-        state = (
-            "the checkpoint WAS committed before this failure"
-            if self.committed
-            else "nothing was committed"
+        head = (
+            f"checkpoint {self.step} failed on rank(s) {sorted(self.rank_failures)} "
+            f"({self.commit_status})"
         )
-        head = f"checkpoint {self.step} failed on rank(s) {sorted(self.rank_failures)} ({state})"
         parts = [head]
         for rank, f in self.rank_failures.items():
             parts.append(
@@ -149,6 +175,6 @@ class CheckpointError(CheckpointException, Exception):
 
 
 def _rebuild_checkpoint_error(
-    step: str, failures: Mapping[int, Failure], committed: bool
+    step: str, failures: Mapping[int, Failure], committed: bool | None
 ) -> CheckpointError:
     return CheckpointError(step, failures, committed=committed)

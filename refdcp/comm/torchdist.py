@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from refdcp.comm.base import DEFAULT_TIMEOUT_S
+from refdcp.comm.departures import PeerWatch, store_of
 from refdcp.comm.fake import CollectiveMismatch
 from refdcp.errors import CommAborted, CommError, CommTimeout
 
@@ -61,6 +62,8 @@ class TorchDistComm:
         self._timeout = float(timeout)
         self._seq = 0
         self._broken: str | None = None
+        found = store_of(process_group)  # who is missing, who left (COMM-60, COMM-62)
+        self._watch = PeerWatch(*found, self._rank, self._world_size) if found else None
 
     @property
     def rank(self) -> int:
@@ -148,6 +151,8 @@ class TorchDistComm:
         deadline = time.monotonic() + limit
         seq = self._seq
         self._seq += 1
+        if self._watch is not None:
+            self._watch.entered(seq)
         mine = torch.tensor([_OPS.index(op), seq, nbytes], dtype=torch.int64, device=self._device)
         headers = [torch.empty_like(mine) for _ in range(self._world_size)]
         work = dist.all_gather(headers, mine, group=self._group, async_op=True)
@@ -166,15 +171,26 @@ class TorchDistComm:
     def _wait(self, work: Any, deadline: float, op: str) -> None:
         """Poll ``work`` until done or ``deadline``; map failures to CommTimeout/CommAborted."""
         delay = 0.0001
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                self._broken = f"{op} timed out"
-                raise CommTimeout(
-                    f"{op} on rank {self._rank} of {self._world_size} did not complete within "
-                    f"its timeout: a peer is missing or late"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_S)
+        try:
+            while not work.is_completed():
+                if self._watch is not None and (gone := self._watch.departed()):
+                    self._broken = f"{op} aborted: rank(s) {sorted(gone)} left"
+                    aborted = CommAborted(
+                        f"{op} on rank {self._rank}: "
+                        + "; ".join(f"rank {r} left ({why})" for r, why in sorted(gone.items()))
+                    )
+                    aborted.ranks = tuple(sorted(gone))  # COMM-62
+                    raise aborted
+                if time.monotonic() >= deadline:
+                    self._broken = f"{op} timed out"
+                    raise self._timeout_error(op)
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_POLL_S)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and self._watch is not None:
+                self._broken = f"{op} interrupted by {type(exc).__name__}"
+                self._watch.leave(f"interrupted by {type(exc).__name__} in {op}")  # COMM-62
+            raise
         try:
             work.wait()
         except Exception as exc:
@@ -183,6 +199,17 @@ class TorchDistComm:
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise CommTimeout(f"{op} on rank {self._rank} timed out: {text}") from exc
             raise CommAborted(f"{op} on rank {self._rank} failed, a peer left: {text}") from exc
+
+    def _timeout_error(self, op: str) -> CommTimeout:
+        """A timeout naming the ranks that had not entered this collective, when known (COMM-60)."""
+        missing = self._watch.missing(self._seq - 1) if self._watch is not None else []
+        who = f"rank(s) {missing} did not enter it" if missing else "a peer is missing or late"
+        err = CommTimeout(
+            f"{op} on rank {self._rank} of {self._world_size} did not complete within "
+            f"its timeout: {who}"
+        )
+        err.ranks = tuple(missing)
+        return err
 
     def _empty(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, device=self._device)

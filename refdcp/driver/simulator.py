@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from refdcp.driver.peers import comm_failure_error
 from refdcp.driver.run import (
     Observer,
     StepRecord,
@@ -28,7 +29,7 @@ from refdcp.driver.run import (
     local_event,
 )
 from refdcp.driver.run import step_name as _step_name
-from refdcp.errors import CheckpointError, Failure, RefdcpError
+from refdcp.errors import CheckpointError, CommAborted, Failure, RefdcpError
 from refdcp.protocol.machine import COLLECTIVES, Action, Event, Kind, On, State, Table
 
 __all__ = ["Deadlock", "Fault", "InjectedFault", "SimResult", "simulate"]
@@ -44,9 +45,17 @@ class Deadlock(RefdcpError):
 
 @dataclass(frozen=True)
 class Fault:
+    """``exc`` raised on ``rank`` before its action ``index``.
+
+    With ``dies=True`` the rank dies there instead (a killed process): it
+    takes no further action, and every rank waiting at a collective gets the
+    communicator's failure naming it (SAVE-15, COMM-61).
+    """
+
     rank: int
     index: int
     exc: BaseException = field(default_factory=lambda: InjectedFault("injected fault"))
+    dies: bool = False
 
 
 @dataclass
@@ -68,6 +77,7 @@ class _Rank:
     action: Action
     index: int = 0
     done: bool = False
+    dead: bool = False
     result: Any = None
     log: list[Action] = field(default_factory=list)
 
@@ -105,6 +115,9 @@ def simulate(
         while not rk.done:
             a = rk.action
             faulted = fault is not None and fault.rank == rk.state.rank and fault.index == rk.index
+            if faulted and fault is not None and fault.dies:
+                rk.done, rk.dead, rk.result = True, True, fault.exc
+                return
             if faulted and a.kind is not Kind.RAISE:  # a rank already raising just raises
                 assert fault is not None
                 failure = Failure.capture(rk.state.rank, _step_name(a), fault.exc)
@@ -132,6 +145,17 @@ def simulate(
             advance(rk)
         waiting = [rk for rk in ranks if not rk.done]
         if not waiting:
+            break
+        dead = [rk.state.rank for rk in ranks if rk.dead]
+        if dead:  # a real communicator fails the collective, naming the dead ranks
+            for rk in waiting:
+                exc = CommAborted(f"rank(s) {dead} died before joining {rk.action.phase!r}")
+                exc.ranks = tuple(dead)
+                rk.result = comm_failure_error(
+                    table, rk.state, rk.action, rk.state.rank, coordinator_rank, exc
+                )
+                rk.done = True
+                rk.log.append(rk.action)
             break
         finished = [rk.state.rank for rk in ranks if rk.done]
         if finished:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan, SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from refdcp.driver.commit_status import mark_finish_error
 from refdcp.errors import ProtocolError
 
 __all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer"]
@@ -148,7 +149,11 @@ class SaveContext(_Base):
         """Coordinator: ``StorageWriter.finish``; its return is the commit point (SAVE-6)."""
         assert self.writer is not None
         metadata: Metadata = self.slots["metadata"]
-        self.writer.finish(metadata=metadata, results=self.slots["all_results"])
+        try:
+            self.writer.finish(metadata=metadata, results=self.slots["all_results"])
+        except BaseException as exc:
+            mark_finish_error(exc)  # it may have committed before raising (SAVE-16)
+            raise
 
     def result(self, slot: str) -> Any:
         return self.slots.get(slot)

@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from refdcp.errors import RefdcpError
 from refdcp.storage import layout
+from refdcp.storage.commit_mark import mark as mark_commit
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError
 from refdcp.storage.items import (
     ChunkIndex,
@@ -302,12 +303,17 @@ class FileSystemWriter(_AtPath, StorageWriter):
             if self.sync_files:
                 _fsync_dir(self.path)
             os.replace(tmp, final)  # the commit point (STORE-1)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
+            mark_commit(exc, False)  # SAVE-16
             raise
-        if self.sync_files:
-            _fsync_dir(self.path)
-        self._clean_up(storage_md, rank)
+        try:
+            if self.sync_files:
+                _fsync_dir(self.path)
+            self._clean_up(storage_md, rank)
+        except BaseException as exc:
+            mark_commit(exc, True)  # renamed into place: committed and loadable (SAVE-16)
+            raise
 
     def _clean_up(self, storage_md: dict[Any, Any], rank: int | None) -> None:
         """Remove data and temp files the committed metadata does not reference (STORE-5)."""
