@@ -133,3 +133,15 @@ def test_allowed_user_type_saves_and_a_load_without_it_names_the_key(tmp_path: P
         dest, checkpoint_id=path, no_dist=True, planner=DefaultLoadPlanner(allow_pickle=True)
     )
     assert dest["cfg"]["thing"] == UserThing(5)
+
+
+@pytest.mark.spec("ASYNC-17")
+@pytest.mark.parametrize("name", ["meta", "coo", "lock", "gen"])
+def test_async_save_staging_refusal_names_the_key(tmp_path: Path, name: str) -> None:
+    value, phrase = _bad_values()[name]
+    with pytest.raises(UnloadableValueError) as info:
+        handle = refdcp.async_save(
+            {"model": {name: value}}, checkpoint_id=str(tmp_path), no_dist=True
+        )
+        handle.result(timeout=60)
+    assert f"'model.{name}'" in str(info.value) and phrase in str(info.value)

@@ -27,6 +27,7 @@ __all__ = [
     "default_safe_globals",
     "loadability_problem",
     "refuse_unloadable",
+    "staging_refusal",
     "unloadable_at_load",
 ]
 
@@ -148,6 +149,15 @@ def unloadable_at_load(key: str, exc: BaseException) -> UnloadableAtLoad:
             f"({_unpickler_reason(exc)}); " + allowing_options("its type")
         ]
     )
+
+
+def staging_refusal(key: str, value: Any, exc: BaseException) -> UnloadableValueError:
+    """A stager's failure to copy a value, naming its key, type and cause (SAVE-17)."""
+    why = f"cannot be staged ({type(exc).__name__}: {exc})"
+    problem = loadability_problem(value)
+    if problem is not None:
+        why += f"; {problem}"
+    return UnloadableValueError([f"key {key!r}, type {_type_name(value)}: {why}"])
 
 
 def check_loadable(key: str, value: Any, safe_globals: Sequence[Any] = ()) -> None:
