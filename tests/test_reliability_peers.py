@@ -173,7 +173,7 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from refdcp.comm import TorchDistComm
-    from refdcp.errors import CheckpointError, CommAborted
+    from refdcp.errors import CheckpointError, CommAborted, CommTimeout
 
     out: dict[str, Any] = {}
     # (a) a KeyboardInterrupt in a local step travels through the protocol (ERR-10)
@@ -185,10 +185,18 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
         out["save"] = "KeyboardInterrupt"
     except CheckpointError as err:
         out["save"] = {r: type(f.exception).__name__ for r, f in err.rank_failures.items()}
-    dist.barrier()
+    # fresh groups, so that the half-finished collectives below cannot meet each other
+    group_c, group_b = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    # (c) rank 1 never joins: rank 0's timeout names it (COMM-60)
+    if rank == 0:
+        try:
+            TorchDistComm(group_c, timeout=1.5).gather("x")
+            out["timeout"] = "returned"
+        except CommTimeout as exc:
+            out["timeout"] = ("CommTimeout", exc.ranks, str(exc))
     # (b) rank 1 is interrupted while it waits inside a collective: it announces its
     # departure, and rank 0 (arriving later) aborts at once, naming it (COMM-62)
-    comm = TorchDistComm(timeout=LONG)
+    comm = TorchDistComm(group_b, timeout=LONG)
     if rank == 1:
         threading.Timer(0.5, _thread.interrupt_main).start()
         try:
@@ -203,11 +211,12 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
             out["gather"] = "returned"
         except CommAborted as exc:
             out["gather"] = ("CommAborted", exc.ranks, str(exc))
+    dist.barrier()  # the default group is clean: leave together, no connection closes early
     return out
 
 
 @pytest.mark.dist
-@pytest.mark.spec("ERR-10", "COMM-60", "COMM-62")
+@pytest.mark.spec("ERR-10", "COMM-60", "COMM-61", "COMM-62")
 def test_gloo_peer_learns_of_interrupt_at_once(tmp_path: Path) -> None:
     out = run_gloo(2, _gloo_interrupts, str(tmp_path / "c"), timeout=60.0)
     assert out[1]["save"] == "KeyboardInterrupt"
@@ -215,3 +224,5 @@ def test_gloo_peer_learns_of_interrupt_at_once(tmp_path: Path) -> None:
     assert out[1]["gather"] == "KeyboardInterrupt"
     kind, ranks, text = out[0]["gather"]
     assert kind == "CommAborted" and ranks == (1,) and "rank 1 left" in text
+    kind, ranks, text = out[0]["timeout"]
+    assert kind == "CommTimeout" and ranks == (1,) and "rank(s) [1] did not enter it" in text

@@ -5,12 +5,15 @@ peer interrupted inside a collective cannot send anything through it. So each
 :class:`~refdcp.comm.torchdist.TorchDistComm` also keeps, in the group's
 key-value store (the ``TCPStore`` every process group has):
 
-* ``<ns>/at/<rank>``: the number of the collective the rank last entered,
-  read on a timeout to name the ranks that never entered it;
+* ``<ns>/at/<rank>``: the number of the collective the rank last waited in
+  for more than :data:`POLL_S` seconds (a collective that misses a rank makes
+  every present rank wait that long), read on a timeout to name the ranks
+  that never entered it;
 * ``<ns>/left/<rank>`` and the counter ``<ns>/left``: a departure notice a rank
   writes when a ``BaseException`` interrupts it inside a collective; waiting
-  peers poll the counter (at most every :data:`POLL_S` seconds) and raise
-  ``CommAborted`` naming it at once instead of waiting for their timeout.
+  peers poll the counter once a collective has waited :data:`POLL_S` seconds (then every
+  :data:`POLL_S` seconds) and raise ``CommAborted`` naming it instead of waiting for their
+  timeout. A collective that completes sooner never touches the store.
 
 ``<ns>`` names the group and the communicator's creation index in the group,
 which agree across ranks since every rank creates its communicators in the
@@ -20,7 +23,6 @@ communicator behaves as without this channel.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 __all__ = ["POLL_S", "PeerWatch", "store_of"]
@@ -53,7 +55,6 @@ class PeerWatch:
         self.ns = f"refdcp/comm/{group}/{index}"
         self.rank = rank
         self.world_size = world_size
-        self._next_poll = 0.0
 
     def entered(self, seq: int) -> None:
         """Record that this rank entered collective ``seq``."""
@@ -64,12 +65,8 @@ class PeerWatch:
         if self._try(self.store.set, f"{self.ns}/left/{self.rank}", why) is not _FAILED:
             self._try(self.store.add, f"{self.ns}/left", 1)
 
-    def departed(self, *, force: bool = False) -> dict[int, str]:
-        """Ranks that announced their departure (polled at most every POLL_S unless ``force``)."""
-        now = time.monotonic()
-        if not force and now < self._next_poll:
-            return {}
-        self._next_poll = now + POLL_S
+    def departed(self) -> dict[int, str]:
+        """Ranks that announced their departure (one store round trip when none did)."""
         count = self._try(self.store.add, f"{self.ns}/left", 0)
         if count is _FAILED or not count:
             return {}

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from refdcp.comm.base import DEFAULT_TIMEOUT_S
-from refdcp.comm.departures import PeerWatch, store_of
+from refdcp.comm.departures import POLL_S, PeerWatch, store_of
 from refdcp.comm.fake import CollectiveMismatch
 from refdcp.errors import CommAborted, CommError, CommTimeout
 
@@ -151,8 +151,6 @@ class TorchDistComm:
         deadline = time.monotonic() + limit
         seq = self._seq
         self._seq += 1
-        if self._watch is not None:
-            self._watch.entered(seq)
         mine = torch.tensor([_OPS.index(op), seq, nbytes], dtype=torch.int64, device=self._device)
         headers = [torch.empty_like(mine) for _ in range(self._world_size)]
         work = dist.all_gather(headers, mine, group=self._group, async_op=True)
@@ -171,9 +169,19 @@ class TorchDistComm:
     def _wait(self, work: Any, deadline: float, op: str) -> None:
         """Poll ``work`` until done or ``deadline``; map failures to CommTimeout/CommAborted."""
         delay = 0.0001
+        poll_at = time.monotonic() + POLL_S  # fast collectives never touch the store
+        recorded = False
         try:
             while not work.is_completed():
-                if self._watch is not None and (gone := self._watch.departed()):
+                now = time.monotonic()
+                gone = None
+                if self._watch is not None and now >= poll_at:
+                    poll_at = now + POLL_S
+                    if not recorded:  # a slow collective: record that this rank is in it
+                        self._watch.entered(self._seq - 1)
+                        recorded = True
+                    gone = self._watch.departed()
+                if gone:
                     self._broken = f"{op} aborted: rank(s) {sorted(gone)} left"
                     aborted = CommAborted(
                         f"{op} on rank {self._rank}: "
@@ -181,7 +189,7 @@ class TorchDistComm:
                     )
                     aborted.ranks = tuple(sorted(gone))  # COMM-62
                     raise aborted
-                if time.monotonic() >= deadline:
+                if now >= deadline:
                     self._broken = f"{op} timed out"
                     raise self._timeout_error(op)
                 time.sleep(delay)
@@ -198,7 +206,13 @@ class TorchDistComm:
             text = str(exc)
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise CommTimeout(f"{op} on rank {self._rank} timed out: {text}") from exc
-            raise CommAborted(f"{op} on rank {self._rank} failed, a peer left: {text}") from exc
+            gone = self._watch.departed() if self._watch is not None else {}
+            who = "; ".join(f"rank {r} left ({why})" for r, why in sorted(gone.items()))
+            aborted = CommAborted(
+                f"{op} on rank {self._rank} failed, {who or 'a peer left'}: {text}"
+            )
+            aborted.ranks = tuple(sorted(gone))  # COMM-60
+            raise aborted from exc
 
     def _timeout_error(self, op: str) -> CommTimeout:
         """A timeout naming the ranks that had not entered this collective, when known (COMM-60)."""
