@@ -116,3 +116,16 @@ def test_round_trip_property_over_views(
     got = _dest(sd)
     refdcp.load(got, checkpoint_id=str(path), no_dist=True, verify=True)
     _check(sd, got)
+
+
+@pytest.mark.spec("SAVE-10")
+def test_wrapper_subclass_is_saved_as_its_values(tmp_path: Path) -> None:
+    """A wrapper subclass (no storage of its own) is stored as the values its copy_ defines."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a = torch.randn(3, 2)
+    wrapped = TwoTensor(a.clone(), a.clone())
+    refdcp.save({"t": wrapped}, checkpoint_id=str(tmp_path), no_dist=True)
+    got: dict[str, Any] = {"t": torch.zeros(3, 2)}
+    refdcp.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
+    assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], a)
