@@ -52,6 +52,7 @@ from refdcp.errors_core import (
     ProblemsError,
     ProtocolError,
     RefdcpError,
+    commit_status,
     describe_failures,
 )
 
@@ -76,11 +77,12 @@ class CheckpointError(CheckpointException, Exception):
     ``CheckpointException.failures``; ``tracebacks`` maps rank -> formatted
     traceback text; ``steps`` maps rank -> the protocol step that failed;
     ``committed`` tells whether the checkpoint reached its commit point before
-    the failure (SAVE-9).
+    the failure (SAVE-9): True, False, or None when this rank cannot know
+    (SAVE-15); ``commit_status`` says it in words, with the reason.
     """
 
     def __init__(
-        self, step: str, failures: Mapping[int, Failure], *, committed: bool = False
+        self, step: str, failures: Mapping[int, Failure], *, committed: bool | None = False
     ) -> None:
         wrapped = {
             rank: (f.exception, traceback.StackSummary.from_list([]))
@@ -103,6 +105,11 @@ class CheckpointError(CheckpointException, Exception):
     def report(self) -> FailureReport:
         return FailureReport(self.step, self.rank_failures, self.committed)
 
+    @property
+    def commit_status(self) -> str:
+        """Whether the checkpoint was committed, in words; the reason when unknown (SAVE-15)."""
+        return commit_status(self.rank_failures, self.committed)
+
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild_checkpoint_error, (self.step, self.rank_failures, self.committed))
 
@@ -111,6 +118,6 @@ class CheckpointError(CheckpointException, Exception):
 
 
 def _rebuild_checkpoint_error(
-    step: str, failures: Mapping[int, Failure], committed: bool
+    step: str, failures: Mapping[int, Failure], committed: bool | None
 ) -> CheckpointError:
     return CheckpointError(step, failures, committed=committed)

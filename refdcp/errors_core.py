@@ -22,6 +22,7 @@ __all__ = [
     "ProblemsError",
     "ProtocolError",
     "RefdcpError",
+    "commit_status",
     "describe_failures",
 ]
 
@@ -65,7 +66,13 @@ class ProtocolError(RefdcpError):
 
 
 class CommError(RefdcpError):
-    """A collective could not complete (COMM-5)."""
+    """A collective could not complete (COMM-5).
+
+    ``ranks`` lists the ranks known not to have joined it (left or missing),
+    when the communicator can tell (COMM-60); empty otherwise.
+    """
+
+    ranks: tuple[int, ...] = ()
 
 
 class CommTimeout(CommError, TimeoutError):
@@ -119,17 +126,36 @@ class FailureReport:
 
     step: str
     rank_failures: Mapping[int, Failure]
-    committed: bool = False
+    committed: bool | None = False
 
     def __str__(self) -> str:
         return describe_failures(self.step, self.rank_failures, self.committed)
 
 
-def describe_failures(step: str, failures: Mapping[int, Failure], committed: bool) -> str:
+def commit_status(failures: Mapping[int, Failure], committed: bool | None) -> str:
+    """Whether the checkpoint was committed, in words; the reason when unknown (SAVE-9, SAVE-15)."""
+    if committed:
+        return "the checkpoint WAS committed before this failure"
+    if committed is False:
+        return "nothing was committed"
+    at_commit = [r for r, f in failures.items() if f.step == "commit"]
+    if at_commit:
+        why = (
+            f"StorageWriter.finish raised on rank {at_commit[0]} and may have committed "
+            "before raising"
+        )
+    else:
+        lost = [r for r, f in failures.items() if isinstance(f.exception, CommError)]
+        why = (
+            f"rank(s) {lost or sorted(failures)} lost the coordinator after "
+            "sending their write results; it may have committed"
+        )
+    return f"commit status UNKNOWN: {why}; check the checkpoint (refdcp verify PATH)"
+
+
+def describe_failures(step: str, failures: Mapping[int, Failure], committed: bool | None) -> str:
     """The message of a failed save or load: what failed where, and whether it committed (ERR-1)."""
-    state = (
-        "the checkpoint WAS committed before this failure" if committed else "nothing was committed"
-    )
+    state = commit_status(failures, committed)
     parts = [f"checkpoint {step} failed on rank(s) {sorted(failures)} ({state})"]
     for rank, f in sorted(failures.items()):
         parts.append(

@@ -21,6 +21,7 @@ from refdcp.planning.flatten import (
     unflatten_state_dict,
 )
 from refdcp.planning.simulate import simulate_load, simulate_save
+from tests.strategies import tensors
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -34,6 +35,7 @@ leaves = st.one_of(
     st.integers(-3, 3),
     st.text(max_size=3),
     st.builds(lambda n: torch.arange(n, dtype=torch.float32), st.integers(0, 4)),
+    tensors(),  # views whose memory is not their values (SAVE-10)
     st.none(),
 )
 

@@ -99,7 +99,7 @@ def test_resolve_data() -> None:
 
 @pytest.mark.spec("PLAN-7")
 def test_objects_load_weights_only_unless_opted_in() -> None:
-    ckpt = simulate_save([{"p": Point(3)}], DefaultSavePlanner)
+    ckpt = simulate_save([{"p": Point(3)}], lambda: DefaultSavePlanner(safe_globals=[Point]))
     with pytest.raises(pickle.UnpicklingError):
         simulate_load([{"p": None}], ckpt, DefaultLoadPlanner)
     dest: dict[str, Any] = {"p": None}
@@ -145,8 +145,11 @@ def test_subset_loads_by_default_and_unexpected_keys_can_be_rejected() -> None:
     simulate_load([dest], _ckpt(), DefaultLoadPlanner)  # "c" and "d" are not asked for
     assert torch.equal(dest["a"], torch.ones(2, 2)) and torch.equal(dest["b"], torch.ones(3))
     with pytest.raises(LoadPolicyError, match=r"unexpected keys .*\['c', 'd'\]"):
-        simulate_load([{"a": torch.zeros(2, 2), "b": torch.zeros(3)}], _ckpt(),
-                      lambda: DefaultLoadPlanner(reject_unexpected=True))
+        simulate_load(
+            [{"a": torch.zeros(2, 2), "b": torch.zeros(3)}],
+            _ckpt(),
+            lambda: DefaultLoadPlanner(reject_unexpected=True),
+        )
 
 
 @pytest.mark.spec("POLICY-2", "POLICY-3")

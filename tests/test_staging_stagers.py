@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from refdcp.errors import ProtocolError
+from refdcp.planning.loadable import UnloadableValueError
 from refdcp.staging import CpuStager, State
 
 Pair = namedtuple("Pair", ["left", "right"])
@@ -243,8 +244,10 @@ def test_background_copy_failure_reaches_the_future() -> None:
             raise RuntimeError("cannot copy this leaf")
 
     fut = stager.stage({"w": torch.ones(4), "bad": Exploding()})
-    with pytest.raises(RuntimeError, match="cannot copy"):
+    # the failure names the key (ASYNC-17)
+    with pytest.raises(UnloadableValueError, match="cannot copy") as info:
         fut.result(timeout=60)
+    assert "'bad'" in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
     stager.synchronize_staging()  # does not raise: the Future reports the error
     stager.close()  # the failed copy's buffers were returned: closing is allowed
 

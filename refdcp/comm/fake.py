@@ -105,19 +105,21 @@ class _Hub:
                 missing = [r for r in range(self.world_size) if r not in rnd.payloads]
                 gone = {r: self.departed[r] for r in missing if r in self.departed}
                 if gone:
-                    rnd.error = CommAborted(
+                    rnd.error = aborted = CommAborted(
                         f"collective #{seq} ({kind}) on rank {rank}: "
                         + "; ".join(f"rank {r} {why}" for r, why in sorted(gone.items()))
                         + " before joining it"
                     )
+                    aborted.ranks = tuple(sorted(gone))  # COMM-60
                     self.cond.notify_all()
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    rnd.error = CommTimeout(
+                    rnd.error = late = CommTimeout(
                         f"collective #{seq} ({kind}) timed out after {timeout:g} s on rank "
                         f"{rank}: rank(s) {missing} did not join"
                     )
+                    late.ranks = tuple(missing)  # COMM-60
                     self.cond.notify_all()
                     continue
                 self.cond.wait(left)

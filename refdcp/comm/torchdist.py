@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from refdcp.comm.base import DEFAULT_TIMEOUT_S
+from refdcp.comm.departures import POLL_S, PeerWatch, store_of
 from refdcp.errors import CollectiveMismatch, CommAborted, CommError, CommTimeout
 
 __all__ = ["TorchDistComm"]
@@ -60,6 +61,8 @@ class TorchDistComm:
         self._timeout = float(timeout)
         self._seq = 0
         self._broken: str | None = None
+        found = store_of(process_group)  # who is missing, who left (COMM-60, COMM-62)
+        self._watch = PeerWatch(*found, self._rank, self._world_size) if found else None
 
     @property
     def rank(self) -> int:
@@ -165,15 +168,36 @@ class TorchDistComm:
     def _wait(self, work: Any, deadline: float, op: str) -> None:
         """Poll ``work`` until done or ``deadline``; map failures to CommTimeout/CommAborted."""
         delay = 0.0001
-        while not work.is_completed():
-            if time.monotonic() >= deadline:
-                self._broken = f"{op} timed out"
-                raise CommTimeout(
-                    f"{op} on rank {self._rank} of {self._world_size} did not complete within "
-                    f"its timeout: a peer is missing or late"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_S)
+        poll_at = time.monotonic() + POLL_S  # fast collectives never touch the store
+        recorded = False
+        try:
+            while not work.is_completed():
+                now = time.monotonic()
+                gone = None
+                if self._watch is not None and now >= poll_at:
+                    poll_at = now + POLL_S
+                    if not recorded:  # a slow collective: record that this rank is in it
+                        self._watch.entered(self._seq - 1)
+                        recorded = True
+                    gone = self._watch.departed()
+                if gone:
+                    self._broken = f"{op} aborted: rank(s) {sorted(gone)} left"
+                    aborted = CommAborted(
+                        f"{op} on rank {self._rank}: "
+                        + "; ".join(f"rank {r} left ({why})" for r, why in sorted(gone.items()))
+                    )
+                    aborted.ranks = tuple(sorted(gone))  # COMM-62
+                    raise aborted
+                if now >= deadline:
+                    self._broken = f"{op} timed out"
+                    raise self._timeout_error(op)
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_POLL_S)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and self._watch is not None:
+                self._broken = f"{op} interrupted by {type(exc).__name__}"
+                self._watch.leave(f"interrupted by {type(exc).__name__} in {op}")  # COMM-62
+            raise
         try:
             work.wait()
         except Exception as exc:
@@ -181,7 +205,24 @@ class TorchDistComm:
             text = str(exc)
             if "timed out" in text.lower() or "timeout" in text.lower():
                 raise CommTimeout(f"{op} on rank {self._rank} timed out: {text}") from exc
-            raise CommAborted(f"{op} on rank {self._rank} failed, a peer left: {text}") from exc
+            gone = self._watch.departed() if self._watch is not None else {}
+            who = "; ".join(f"rank {r} left ({why})" for r, why in sorted(gone.items()))
+            aborted = CommAborted(
+                f"{op} on rank {self._rank} failed, {who or 'a peer left'}: {text}"
+            )
+            aborted.ranks = tuple(sorted(gone))  # COMM-60
+            raise aborted from exc
+
+    def _timeout_error(self, op: str) -> CommTimeout:
+        """A timeout naming the ranks that had not entered this collective, when known (COMM-60)."""
+        missing = self._watch.missing(self._seq - 1) if self._watch is not None else []
+        who = f"rank(s) {missing} did not enter it" if missing else "a peer is missing or late"
+        err = CommTimeout(
+            f"{op} on rank {self._rank} of {self._world_size} did not complete within "
+            f"its timeout: {who}"
+        )
+        err.ranks = tuple(missing)
+        return err
 
     def _empty(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, device=self._device)

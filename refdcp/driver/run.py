@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from refdcp.comm.base import Communicator
+from refdcp.driver.commit_status import settle
+from refdcp.driver.peers import comm_failure_error
 from refdcp.errors import CheckpointError, CommError, Failure, FailureReport
 from refdcp.protocol.machine import Action, Event, Kind, On, State, Table
 from refdcp.protocol.names import Slot, Step
@@ -95,7 +97,8 @@ def fan_in_payload(ctx: _Ctx, action: Action) -> Any:
 
 def fan_out_payload(ctx: _Ctx, action: Action, world_size: int) -> Any:
     if action.error is not None:
-        return [action.error] * world_size if action.kind is Kind.SCATTER else action.error
+        error = settle(action.error)  # the status a failed finish declared (SAVE-16)
+        return [error] * world_size if action.kind is Kind.SCATTER else error
     assert action.send is not None
     return ctx.payload(action.send)
 
@@ -142,17 +145,24 @@ def drive(
     coordinator = comm.rank == comm.coordinator_rank
     state, action = table.start(comm.rank, coordinator)
     index = 0
+    # A KeyboardInterrupt or SystemExit is sent to the peers like any failure, and
+    # re-raised once the protocol has ended, so peers learn of it at once (ERR-10).
+    interrupt: BaseException | None = None
     while True:
         if fault is not None and state.failure is None:  # a failed rank only reports (PROTO-7)
             try:
                 fault(index, action)
-            except Exception as exc:
+            except BaseException as exc:
+                if not isinstance(exc, Exception):
+                    interrupt = exc
                 event = fault_event(comm.rank, action, exc)
                 if observer is not None:
                     observer(record(state, index, action, event.on, 0.0))
                 state, action = table.transition(state, event)
                 index += 1
                 continue
+        if interrupt is not None and action.kind in (Kind.RETURN, Kind.RAISE):
+            raise interrupt
         if action.kind is Kind.RETURN:
             return ctx.result(action.send)
         if action.kind is Kind.RAISE:
@@ -160,16 +170,20 @@ def drive(
             raise CheckpointError.from_report(action.error)
         t0 = time.perf_counter()
         if action.kind is Kind.LOCAL:
-            event = local_event(ctx, action)
+            try:
+                event = local_event(ctx, action)
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit (ERR-10)
+                interrupt = exc
+                event = Event(On.ERR, failure=Failure.capture(ctx.rank, step_name(action), exc))
         else:
-            event = _collective(ctx, state, action, comm)
+            event = _collective(ctx, state, action, comm, table)
         if observer is not None:
             observer(record(state, index, action, event.on, time.perf_counter() - t0))
         state, action = table.transition(state, event)
         index += 1
 
 
-def _collective(ctx: _Ctx, state: State, action: Action, comm: Communicator) -> Event:
+def _collective(ctx: _Ctx, state: State, action: Action, comm: Communicator, table: Table) -> Event:
     coordinator = comm.rank == comm.coordinator_rank
     try:
         if action.kind is Kind.GATHER:
@@ -182,7 +196,6 @@ def _collective(ctx: _Ctx, state: State, action: Action, comm: Communicator) -> 
         received = comm.scatter(send) if action.kind is Kind.SCATTER else comm.broadcast(send)
         return apply_collective_result(ctx, state, action, received, True)
     except CommError as exc:
-        failure = Failure.capture(comm.rank, action.phase, exc)
-        raise CheckpointError(
-            action.phase, {comm.rank: failure}, committed=state.committed
+        raise comm_failure_error(
+            table, state, action, comm.rank, comm.coordinator_rank, exc
         ) from exc

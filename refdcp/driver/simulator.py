@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from refdcp.driver.peers import comm_failure_error
 from refdcp.driver.run import (
     Observer,
     StepRecord,
@@ -31,7 +32,7 @@ from refdcp.driver.run import (
     record,
     terminal,
 )
-from refdcp.errors import RefdcpError
+from refdcp.errors import CommAborted, RefdcpError
 from refdcp.protocol.machine import COLLECTIVES, TERMINAL, Action, Event, Kind, State, Table
 
 __all__ = ["Deadlock", "Fault", "InjectedFault", "SimResult", "simulate"]
@@ -47,9 +48,17 @@ class Deadlock(RefdcpError):
 
 @dataclass(frozen=True)
 class Fault:
+    """``exc`` raised on ``rank`` before its action ``index``.
+
+    With ``dies=True`` the rank dies there instead (a killed process): it
+    takes no further action, and every rank waiting at a collective gets the
+    communicator's failure naming it (SAVE-15, COMM-61).
+    """
+
     rank: int
     index: int
     exc: BaseException = field(default_factory=lambda: InjectedFault("injected fault"))
+    dies: bool = False
 
 
 @dataclass
@@ -71,6 +80,7 @@ class _Rank:
     action: Action
     index: int = 0
     done: bool = False
+    dead: bool = False
     result: Any = None
     log: list[Action] = field(default_factory=list)
 
@@ -107,6 +117,9 @@ def simulate(
         while not rk.done:
             a = rk.action
             if fault is not None and (fault.rank, fault.index) == (rk.state.rank, rk.index):
+                if fault.dies:  # a killed process: it takes no further action
+                    rk.done, rk.dead, rk.result = True, True, fault.exc
+                    return
                 feed(rk, fault_event(rk.state.rank, a, fault.exc))  # the table decides (PROTO-7)
                 continue
             if a.kind in TERMINAL:
@@ -123,6 +136,17 @@ def simulate(
             advance(rk)
         waiting = [rk for rk in ranks if not rk.done]
         if not waiting:
+            break
+        dead = [rk.state.rank for rk in ranks if rk.dead]
+        if dead:  # a real communicator fails the collective, naming the dead ranks
+            for rk in waiting:
+                exc = CommAborted(f"rank(s) {dead} died before joining {str(rk.action.phase)!r}")
+                exc.ranks = tuple(dead)
+                rk.result = comm_failure_error(
+                    table, rk.state, rk.action, rk.state.rank, coordinator_rank, exc
+                )
+                rk.done = True
+                rk.log.append(rk.action)
             break
         finished = [rk.state.rank for rk in ranks if rk.done]
         if finished:

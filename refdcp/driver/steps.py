@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan, SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from refdcp.driver.commit_status import mark_finish_error
 from refdcp.errors import ProtocolError
 from refdcp.protocol.names import Slot, Step
 
@@ -169,7 +170,11 @@ class SaveContext(_Base):
         """Coordinator: ``StorageWriter.finish``; its return is the commit point (SAVE-6)."""
         assert self.writer is not None
         metadata: Metadata = self.slots[Slot.METADATA]
-        self.writer.finish(metadata=metadata, results=self.slots[Slot.ALL_RESULTS])
+        try:
+            self.writer.finish(metadata=metadata, results=self.slots[Slot.ALL_RESULTS])
+        except BaseException as exc:
+            mark_finish_error(exc)  # it may have committed before raising (SAVE-16)
+            raise
 
     HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {
         Step.SET_UP: step_set_up,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import pickle
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .flatten import Flattened, flatten_state_dict, set_by_rich_path
 from .load_policy import LoadPolicy, LoadPolicyError, check_load
+from .loadable import unloadable_at_load
 from .local_plan import resolve_tensor_chunk
 from .resharding import read_items_for_chunks
 
@@ -128,8 +130,11 @@ class DefaultLoadPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickle (weights-only unless ``allow_pickle``) into the original nesting (PLAN-7, FLAT-2)."""
-        obj = torch.load(value, weights_only=not self.policy.allow_pickle)
         fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=not self.policy.allow_pickle)
+        except pickle.UnpicklingError as exc:
+            raise unloadable_at_load(fqn, exc) from exc  # SAVE-14
         set_by_rich_path(self.original_state_dict, self.flat.rich[fqn], obj)
         self.flat.items[fqn] = obj
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from .dedup import dedup_items
 from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
 from .global_metadata import PlanValidationError, build_state_dict_metadata
+from .loadable import refuse_unloadable
 from .local_plan import (
     chunkless_tensors,
     plan_digest,
@@ -38,7 +39,9 @@ class DefaultSavePlanner(SavePlanner):
     Options: ``check_replicas`` compares replica values by checksum
     (DEDUP-6); ``bytes_on_coordinator`` keeps non-tensor items on the
     coordinator (DEDUP-7); ``dedup_save_to_lowest_rank`` is torch's option
-    (DEDUP-2); ``coordinator_rank`` is the coordinator's index in the plan list.
+    (DEDUP-2); ``coordinator_rank`` is the coordinator's index in the plan list;
+    ``safe_globals`` are extra types the caller allows at load, so values of
+    those types pass the save-time loadability check (SAVE-12).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class DefaultSavePlanner(SavePlanner):
         bytes_on_coordinator: bool = True,
         dedup_save_to_lowest_rank: bool = False,
         coordinator_rank: int = 0,
+        safe_globals: Sequence[Any] = (),
     ) -> None:
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultSavePlanner always flattens (FLAT-1)")
@@ -56,6 +60,7 @@ class DefaultSavePlanner(SavePlanner):
         self.bytes_on_coordinator = bytes_on_coordinator
         self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
         self.coordinator_rank = coordinator_rank
+        self.safe_globals = list(safe_globals)
         self.flat = Flattened()
         self.is_coordinator = False
         self.plan: SavePlan | None = None
@@ -71,6 +76,7 @@ class DefaultSavePlanner(SavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        refuse_unloadable(self.flat.items, self.safe_globals, self.flat.paths)  # SAVE-12
         items = save_items(self.flat.items)
         sums = replica_checksums(self.flat.items, items) if self.check_replicas else None
         data: dict[str, Any] = dict(self.flat.paths)

@@ -269,7 +269,7 @@ def merged_error(state: State) -> FailureReport:
     """The agreed failures plus this rank's own failure, if any (ERR-3)."""
     failures: dict[int, Failure] = {}
     step = ""
-    committed = state.committed
+    committed: bool | None = state.committed
     if state.error is not None:
         failures.update(state.error.rank_failures)
         step = state.error.step

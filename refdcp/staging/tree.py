@@ -148,6 +148,7 @@ def build_snapshot(
     Non-tensor leaves are deep-copied (STAGE-9).
     """
     walker = _SnapshotWalk(layout, buffers, copy_into)
+    walker.root = state_dict
     out = walker.walk(state_dict)
     if walker.idx != len(layout):
         raise ValueError("staging: the state dict changed shape while it was being staged")
@@ -166,6 +167,7 @@ class _SnapshotWalk:
         self.layout, self.buffers, self.copy_into = layout, buffers, copy_into
         self.idx = 0
         self.memo: dict[int, Any] = {}
+        self.root: Any = None
 
     def walk(self, obj: Any) -> Any:
         if _is_container(obj):
@@ -188,7 +190,36 @@ class _SnapshotWalk:
             else:
                 dst = self.buffers[self.idx]
                 assert dst is not None
-                self.copy_into(dst, obj)
+                try:
+                    self.copy_into(dst, obj)
+                except Exception as exc:
+                    raise _named(slot.path, obj, exc) from exc
             self.idx += 1
             return dst
-        return copy.deepcopy(obj, self.memo)
+        try:
+            return copy.deepcopy(obj, self.memo)
+        except Exception as exc:
+            raise _named(self._path_of(obj), obj, exc) from exc
+
+    def _path_of(self, obj: Any) -> tuple[Any, ...]:
+        """Where ``obj`` sits in the state dict (searched only on a failure)."""
+        found = _find(self.root, obj, ())
+        return found if found is not None else ("<unknown>",)
+
+
+def _find(tree: Any, obj: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if tree is obj:
+        return path
+    if _is_container(tree):
+        for key, value in _children(tree):
+            hit = _find(value, obj, (*path, key))
+            if hit is not None:
+                return hit
+    return None
+
+
+def _named(path: tuple[Any, ...], obj: Any, exc: Exception) -> Exception:
+    """A staging failure that names the value's key path and type (SAVE-17)."""
+    from refdcp.planning.loadable import staging_refusal
+
+    return staging_refusal(".".join(map(str, path)) or "<root>", obj, exc)

@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from refdcp.errors import RefdcpError
 from refdcp.storage import layout
+from refdcp.storage.commit_mark import mark as mark_commit
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError
 from refdcp.storage.items import (
     ChunkIndex,
@@ -49,6 +50,7 @@ from refdcp.storage.items import (
     whole_chunk,
 )
 from refdcp.storage.safe_metadata import dump_metadata, finalize_metadata, load_metadata
+from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 
@@ -292,12 +294,17 @@ class FileSystemWriter(_AtPath, StorageWriter):
             if self.sync_files:
                 _fsync_dir(self.path)
             os.replace(tmp, final)  # the commit point (STORE-1)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
+            mark_commit(exc, False)  # SAVE-16
             raise
-        if self.sync_files:
-            _fsync_dir(self.path)
-        self._clean_up(storage_md, rank)
+        try:
+            if self.sync_files:
+                _fsync_dir(self.path)
+            self._clean_up(storage_md, rank)
+        except BaseException as exc:
+            mark_commit(exc, True)  # renamed into place: committed and loadable (SAVE-16)
+            raise
 
     def _clean_up(self, storage_md: dict[Any, Any], rank: int | None) -> None:
         """Remove data and temp files the committed metadata does not reference (STORE-5)."""
@@ -442,7 +449,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 target.device.type == "cpu"
                 and target.dtype == dtype
                 and tuple(target.shape) == tuple(sizes)
-                and target.is_contiguous()
+                and bytes_are_values(target)
             ):
                 _read_exact(fd, raw_view(target), start, fqn, relative_path)
                 planner.commit_tensor(req, target)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from refdcp.errors import RefdcpError
 from refdcp.storage.errors import CorruptionError, MissingChecksumError
+from refdcp.storage.tensor_values import bytes_are_values, values_tensor
 from refdcp.storage.zipframe import MAX_FRAMED_BYTES, frame_for
 
 __all__ = [
@@ -94,11 +95,9 @@ def _crc_tail(head_crc: int, data: memoryview, tail: bytes) -> int:
 
 def encode_tensor(tensor: torch.Tensor) -> Encoded:
     """Frame a tensor as a torch.save archive around its raw bytes (FMT-3)."""
-    t = tensor.detach() if tensor.requires_grad else tensor
-    if not t.is_cpu:
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = tensor if bytes_are_values(tensor) and tensor.is_cpu else values_tensor(tensor)  # SAVE-10
+    if t.requires_grad:
+        t = t.detach()
     if t.layout != torch.strided or t.is_quantized or t.nbytes >= MAX_FRAMED_BYTES:
         return _encode_with_torch_save(t)
     frame = frame_for(t.dtype, tuple(t.shape))

@@ -1,0 +1,211 @@
+"""Reliability: the commit status a rank reports is true, or says "unknown" (SAVE-15..SAVE-17).
+
+Issue 11 item 6: when the coordinator died after its commit, when the
+directory fsync failed after the rename, or when a writer's ``finish`` raised
+after committing, the other ranks raised ``committed=False`` although the
+path loaded the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import refdcp
+import refdcp.storage.filesystem as fs
+from refdcp.comm import FakeWorld
+from refdcp.comm.fake import FakeComm
+from refdcp.driver import Fault, SaveContext, simulate
+from refdcp.errors import CheckpointError
+from refdcp.planning import DefaultSavePlanner
+from refdcp.protocol import SAVE, Kind
+from refdcp.storage import FileSystemWriter, layout
+from refdcp.storage.commit_mark import mark
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _state(rank: int) -> dict[str, Any]:
+    return {"w": torch.full((4,), float(rank)), f"own{rank}": torch.arange(3.0), "step": 5}
+
+
+def _loads(path: Path) -> bool:
+    if not (path / ".metadata").exists():
+        return False
+    dest = {"w": torch.zeros(4), "own0": torch.zeros(3), "step": 0}
+    refdcp.load(dest, checkpoint_id=str(path), no_dist=True)
+    return bool(dest["step"] == 5)
+
+
+def _contexts(path: Path, world: int) -> list[SaveContext]:
+    return [
+        SaveContext(
+            rank=r,
+            world_size=world,
+            coordinator=r == 0,
+            state_dict=_state(r),
+            writer=FileSystemWriter(str(path), sync_files=False),
+            planner=DefaultSavePlanner(),
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.spec("SAVE-15", "COMM-61")
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_dying_at_any_point_never_yields_a_false_status(tmp_path: Path, world: int) -> None:
+    """Simulator: kill every rank before every action; each survivor's status is true or None."""
+    clean = simulate(SAVE, _contexts(tmp_path / "clean", world))
+    unknown = 0
+    for victim in range(world):
+        for index in range(len(clean.actions[victim])):
+            path = tmp_path / f"r{victim}i{index}"
+            fault = Fault(victim, index, SystemExit("killed"), dies=True)
+            res = simulate(SAVE, _contexts(path, world), fault=fault)
+            truly = _loads(path)
+            for rank, out in enumerate(res.results):
+                if rank == victim:
+                    continue
+                if not isinstance(out, CheckpointError):
+                    assert truly, (victim, index, rank)  # returned: committed
+                    continue
+                assert out.committed in (truly, None), (victim, index, rank, out.committed, truly)
+                assert f"rank {victim}" in str(out), (victim, index, rank)  # names the culprit
+                if out.committed is None:
+                    unknown += 1
+                    assert "commit status UNKNOWN" in str(out)
+    assert unknown > 0  # the coordinator dying after its commit is among the cases
+
+
+def _broadcast_index(actions: list[Any]) -> int:
+    return [(a.kind, a.phase) for a in actions].index((Kind.BROADCAST, "broadcast_outcome"))
+
+
+@pytest.mark.spec("SAVE-15")
+def test_simulator_coordinator_dies_after_commit(tmp_path: Path) -> None:
+    clean = simulate(SAVE, _contexts(tmp_path / "clean", 2))
+    index = _broadcast_index(clean.actions[0])
+    fault = Fault(0, index, SystemExit("killed"), dies=True)
+    res = simulate(SAVE, _contexts(tmp_path / "c", 2), fault=fault)
+    assert _loads(tmp_path / "c")
+    err = res.results[1]
+    assert isinstance(err, CheckpointError) and err.committed is None
+    assert "may have committed" in str(err) and "rank 0" in str(err)
+
+
+class _DiesAtOutcome:
+    """A FakeComm whose coordinator dies (SystemExit) instead of broadcasting the outcome."""
+
+    def __init__(self, comm: FakeComm) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def broadcast(self, obj: Any, *, timeout: float | None = None) -> Any:
+        if self._comm.rank == 0 and hasattr(obj, "storage_data"):  # the committed Metadata
+            raise SystemExit("coordinator killed after its commit")
+        return self._comm.broadcast(obj, timeout=timeout)
+
+
+@pytest.mark.spec("SAVE-15", "COMM-61")
+def test_fakeworld_coordinator_dies_after_commit(tmp_path: Path) -> None:
+    def rank_main(comm: FakeComm) -> Any:
+        wrapped: Any = _DiesAtOutcome(comm)
+        return refdcp.save(_state(comm.rank), checkpoint_id=str(tmp_path), comm=wrapped)
+
+    out = FakeWorld(2, timeout=30).run(rank_main, return_exceptions=True)
+    assert isinstance(out[0], SystemExit)
+    err = out[1]
+    assert isinstance(err, CheckpointError)
+    assert err.committed is None  # was False: a lie, the path loads the new checkpoint
+    assert "UNKNOWN" in str(err) and 0 in err.rank_failures
+    assert _loads(tmp_path)
+
+
+def _failing_dir_fsync(after_rename: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the directory fsync of finish: the one before the rename, or the one after it."""
+    real = fs._fsync_dir
+
+    def fsync_dir(path: Path) -> None:
+        names = os.listdir(path)
+        before = any(layout.is_metadata_temp(n) for n in names)  # the temp awaits its rename
+        after = ".metadata" in names and not before
+        if after if after_rename else before:
+            raise OSError(5, "injected directory fsync failure")
+        real(path)
+
+    monkeypatch.setattr(fs, "_fsync_dir", fsync_dir)
+
+
+@pytest.mark.spec("SAVE-9", "SAVE-16")
+def test_directory_fsync_failing_after_the_rename_reports_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _failing_dir_fsync(after_rename=True, monkeypatch=monkeypatch)
+
+    def rank_main(comm: FakeComm) -> Any:
+        return refdcp.save(_state(comm.rank), checkpoint_id=str(tmp_path), comm=comm)
+
+    errors = FakeWorld(2, timeout=30).run(rank_main, return_exceptions=True)
+    for err in errors:
+        assert isinstance(err, CheckpointError) and err.committed is True, err
+        assert "WAS committed" in str(err) and "directory fsync" in str(err)
+    monkeypatch.undo()
+    assert _loads(tmp_path)
+
+
+@pytest.mark.spec("SAVE-16")
+def test_directory_fsync_failing_before_the_rename_reports_not_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _failing_dir_fsync(after_rename=False, monkeypatch=monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        refdcp.save(_state(0), checkpoint_id=str(tmp_path), no_dist=True)
+    assert info.value.committed is False
+    assert not (tmp_path / ".metadata").exists()
+
+
+class FinishRaisesAfterCommit(FileSystemWriter):
+    """A third-party-like writer: commits, then raises from finish (declares nothing)."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        raise RuntimeError("post-commit bookkeeping failed")
+
+
+class FinishDeclaresCommit(FileSystemWriter):
+    """A writer that says it had committed when it raised."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        exc = RuntimeError("upload of the index failed after the commit")
+        mark(exc, True)
+        raise exc
+
+
+@pytest.mark.spec("SAVE-15", "SAVE-16")
+@pytest.mark.parametrize(
+    ("writer_cls", "expected"), [(FinishRaisesAfterCommit, None), (FinishDeclaresCommit, True)]
+)
+def test_finish_raising_after_commit(
+    tmp_path: Path, writer_cls: type[FileSystemWriter], expected: bool | None
+) -> None:
+    def rank_main(comm: FakeComm) -> Any:
+        w = writer_cls(str(tmp_path), sync_files=False)
+        return refdcp.save(_state(comm.rank), storage_writer=w, comm=comm)
+
+    errors = FakeWorld(3, timeout=30).run(rank_main, return_exceptions=True)
+    for err in errors:
+        assert isinstance(err, CheckpointError) and err.committed is expected, err
+        assert err.steps == {0: "commit"}
+    text = str(errors[1])
+    assert ("StorageWriter.finish raised on rank 0" in text) == (expected is None)
+    assert _loads(tmp_path)
+    again = CheckpointError.__reduce__(errors[2])
+    assert again[1][2] is expected  # survives pickling (ERR-3)
