@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("--json", dest="json_path", default=None, help="write the JSON report here")
     conf.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     conf.add_argument("--examples", type=int, default=10, help="hypothesis examples per check")
+    conf.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per check before it fails (CONF-51)"
+    )
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")
     return p
@@ -61,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         from conformance.cli import conformance_command
 
         code: int = conformance_command(
-            args.target, json_path=args.json_path, markdown=args.markdown, examples=args.examples
+            args.target,
+            json_path=args.json_path,
+            markdown=args.markdown,
+            examples=args.examples,
+            timeout=args.timeout,
+            exit_when_abandoned=True,
         )
         return code
     from refdcp.tools.spec_report import main as spec_main
