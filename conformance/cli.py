@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ def conformance_command(
     examples: int = 10,
     timeout: float = DEFAULT_TIMEOUT,
     exit_when_abandoned: bool = False,
+    only: Sequence[str] | None = None,
 ) -> int:
     """Run every check; print a table (markdown with ``markdown=True``).
 
@@ -55,7 +57,7 @@ def conformance_command(
             f"refdcp conformance: cannot load {target!r}: {type(exc).__name__}: {exc}\n"
         )
         return 2
-    results = run_checks(backend, examples=examples, timeout=timeout)
+    results = run_checks(backend, examples=examples, timeout=timeout, only=only)
     if json_path is not None:  # first: the report exists whatever happens next (CONF-50)
         Path(json_path).write_text(dumps(backend.name, results), encoding="utf-8")
     if markdown:
@@ -93,6 +95,7 @@ def add_arguments(p: Any) -> None:
         default=DEFAULT_TIMEOUT,
         help=f"seconds a check may run before it fails as timed out (default {DEFAULT_TIMEOUT:g})",
     )
+    p.add_argument("--only", default=None, help="comma-separated requirement IDs to check")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         examples=a.examples,
         timeout=a.timeout,
         exit_when_abandoned=True,
+        only=a.only.split(",") if a.only else None,
     )
 
 
