@@ -94,9 +94,17 @@ def _outcome(backend: Backend, check: Check, examples: int) -> tuple[str, str]:
         raise
     except BaseException as exc:  # CheckpointException, SystemExit, ...: a result (CONF-50)
         frames = traceback.extract_tb(exc.__traceback__)
-        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        where = f" (at {_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
         return "fail", f"{check.id}: {describe(exc)}{where}"
     return "pass", ""
+
+
+def _short(filename: str) -> str:
+    """``filename`` relative to the working directory when it lies below it."""
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return filename
 
 
 def _run_one(backend: Backend, check: Check, level: str, examples: int, timeout: float) -> Result:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 import uuid
@@ -415,3 +416,61 @@ def test_a_tensor_only_backend_fails_conf_13_alone_or_declares_it() -> None:
     declared = by_id(run_checks(with_writer(TensorOnlyWriter, bytes_items=False), examples=2))
     assert declared["CONF-13"].status == "n/a" and "bytes_items" in declared["CONF-13"].reason
     assert not failed_musts(declared.values())
+
+
+# --- each broken backend makes the command exit 1, naming its requirement --------------------
+
+
+def broken_large_tensors() -> DictBackend:
+    return with_writer(DropsPartWriter)
+
+
+def broken_nan_payloads() -> DictBackend:
+    return with_writer(HalfThroughFloatWriter)
+
+
+def broken_stale_keys() -> DictBackend:
+    return with_writer(MergingFinishWriter)
+
+
+def broken_reset() -> DictBackend:
+    return with_writer(IgnoresResetWriter)
+
+
+def broken_commit_tensor() -> DictBackend:
+    return with_reader(NoCommitReader)
+
+
+def broken_torn_finish() -> FileBackend:
+    return FileBackend(TornFileWriter)
+
+
+def broken_tensor_only() -> DictBackend:
+    return with_writer(TensorOnlyWriter)
+
+
+EXIT_CASES = [
+    ("broken_large_tensors", "CONF-46"),
+    ("broken_nan_payloads", "CONF-10"),
+    ("broken_stale_keys", "CONF-47"),
+    ("broken_reset", "CONF-1"),
+    ("broken_commit_tensor", "CONF-49"),
+    ("broken_torn_finish", "CONF-48"),
+    ("broken_tensor_only", "CONF-13"),
+]
+
+
+@pytest.mark.spec("CONF-1", "CONF-10", "CONF-13", "CONF-46", "CONF-47", "CONF-48", "CONF-49")
+@pytest.mark.parametrize(("factory", "requirement"), EXIT_CASES, ids=[c[0] for c in EXIT_CASES])
+def test_each_broken_backend_exits_1_on_its_requirement(
+    factory: str, requirement: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from conformance.cli import conformance_command
+
+    out = tmp_path / "r.json"
+    target = f"tests.test_conformance_blind_spots:{factory}"
+    rc = conformance_command(target, json_path=str(out), examples=2, only=[requirement])
+    assert rc == 1, capsys.readouterr().out
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["id"] == requirement and result["status"] == "fail"
+    assert result["reason"].startswith(requirement)
