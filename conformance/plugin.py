@@ -20,7 +20,7 @@ import pytest
 
 from conformance.backend import Backend
 from conformance.cli import load_backend
-from conformance.runner import all_checks, run_checks
+from conformance.runner import DEFAULT_TIMEOUT, all_checks, run_checks
 
 __all__ = ["ConformanceWarning", "conformance_tests"]
 
@@ -30,9 +30,15 @@ class ConformanceWarning(UserWarning):
 
 
 def conformance_tests(
-    target: str | Backend | Callable[[], Backend], *, examples: int = 10
+    target: str | Backend | Callable[[], Backend],
+    *,
+    examples: int = 10,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Callable[[str], None]:
-    """A pytest test function parametrized over every check's requirement ID."""
+    """A pytest test function parametrized over every check's requirement ID.
+
+    A check still running after ``timeout`` seconds fails as timed out (CONF-51).
+    """
 
     def make() -> Backend:
         if isinstance(target, str):
@@ -45,7 +51,7 @@ def conformance_tests(
 
     @pytest.mark.parametrize("check_id", ids, ids=ids)
     def test_conformance(check_id: str) -> None:
-        (result,) = run_checks(make(), only={check_id}, examples=examples)
+        (result,) = run_checks(make(), only={check_id}, examples=examples, timeout=timeout)
         if result.status == "n/a":
             pytest.skip(f"{check_id} not applicable: {result.reason}")
         if result.status == "fail":

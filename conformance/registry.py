@@ -6,6 +6,7 @@ Every check cites exactly one requirement of spec/conformance.md (CONF-40);
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +24,9 @@ __all__ = [
     "Context",
     "NotApplicable",
     "Result",
+    "backend_error",
+    "describe",
+    "plain",
     "spec",
 ]
 
@@ -33,6 +37,29 @@ class CheckFailed(AssertionError):
 
 class NotApplicable(Exception):
     """The check does not apply to this backend; the message says why (CONF-41)."""
+
+
+def backend_error(exc: BaseException) -> bool:
+    """True for anything backend code may raise, ``BaseException`` subclasses such as
+    torch's ``CheckpointException`` included; False for the suite's own verdicts and
+    ``KeyboardInterrupt`` (CONF-50)."""
+    return not isinstance(exc, (KeyboardInterrupt, CheckFailed, NotApplicable))
+
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def plain(text: str) -> str:
+    """``text`` without ANSI colour codes (CONF-54)."""
+    return _ANSI.sub("", text)
+
+
+def describe(exc: BaseException, limit: int = 400) -> str:
+    """``Type: message`` of an exception, plain and shortened, for a reason (CONF-52)."""
+    text = plain(str(exc)).strip()
+    if len(text) > limit:
+        text = text[:limit] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass
@@ -84,6 +111,7 @@ class Result:
     status: str  # "pass" | "fail" | "n/a"
     reason: str
     seconds: float
+    timed_out: bool = False  # the check was abandoned after the per-check timeout (CONF-51)
 
 
 CHECKS: list[Check] = []

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from conformance.registry import Result
+from conformance.registry import Result, plain
 from conformance.runner import failed_musts
 
 __all__ = ["to_json", "to_markdown"]
@@ -30,7 +30,7 @@ def to_json(backend_name: str, results: Sequence[Result]) -> dict[str, Any]:
                 "level": r.level,
                 "title": r.title,
                 "status": r.status,
-                "reason": r.reason,
+                "reason": plain(r.reason),
                 "seconds": round(r.seconds, 3),
             }
             for r in results
@@ -43,7 +43,7 @@ def dumps(backend_name: str, results: Sequence[Result]) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:300]
+    return plain(text).replace("|", "\\|").replace("\n", " ")[:300]
 
 
 def to_markdown(backend_name: str, results: Sequence[Result]) -> str:

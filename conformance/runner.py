@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
 from conformance.backend import Backend
-from conformance.registry import CHECKS, Check, CheckFailed, NotApplicable, Result, context
+from conformance.registry import (
+    CHECKS,
+    Check,
+    CheckFailed,
+    NotApplicable,
+    Result,
+    context,
+    describe,
+    plain,
+)
 
-__all__ = ["levels", "run_checks", "failed_musts"]
+__all__ = ["DEFAULT_TIMEOUT", "failed_musts", "levels", "run_checks"]
 
 
 #: The CONF requirement levels as shipped with the package, for installs without
@@ -45,39 +55,87 @@ def all_checks() -> list[Check]:
     return sorted(CHECKS, key=lambda c: int(c.id.rpartition("-")[2]))
 
 
+#: Seconds a check may run before it is reported as timed out (CONF-51).
+DEFAULT_TIMEOUT = 120.0
+
+
 def run_checks(
-    backend: Backend, *, only: Iterable[str] | None = None, examples: int = 10
+    backend: Backend,
+    *,
+    only: Iterable[str] | None = None,
+    examples: int = 10,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> list[Result]:
-    """Run every check (or those whose ID is in ``only``) in spec order; never raises."""
+    """Run every check (or those whose ID is in ``only``) in spec order; never raises.
+
+    Each check runs in its own daemon thread and is abandoned after ``timeout``
+    seconds (CONF-51); whatever backend code raises is that check's result (CONF-50).
+    """
     wanted = set(only) if only is not None else None
     lv = levels()
     out: list[Result] = []
     for check in all_checks():
         if wanted is not None and check.id not in wanted:
             continue
-        out.append(_run_one(backend, check, lv.get(check.id, "MUST"), examples))
+        out.append(_run_one(backend, check, lv.get(check.id, "MUST"), examples, timeout))
     return out
 
 
-def _run_one(backend: Backend, check: Check, level: str, examples: int) -> Result:
-    missing = [c for c in check.needs if not getattr(backend.capabilities, c)]
-    if missing:
-        reason = f"backend does not declare {', '.join(missing)}"
-        return Result(check.id, level, check.title, "n/a", reason, 0.0)
-    start = time.perf_counter()
-    status, reason = "pass", ""
+def _outcome(backend: Backend, check: Check, examples: int) -> tuple[str, str]:
+    """Run one check in the calling thread; any exception becomes (status, reason)."""
     try:
         with context(backend, examples) as ctx:
             check.fn(ctx)
     except NotApplicable as exc:
-        status, reason = "n/a", str(exc)
+        return "n/a", str(exc)
     except CheckFailed as exc:
-        status, reason = "fail", str(exc)
-    except Exception as exc:
-        tb = traceback.extract_tb(exc.__traceback__)[-1]
-        status = "fail"
-        reason = f"{check.id}: {type(exc).__name__}: {exc} (at {tb.filename}:{tb.lineno})"
-    return Result(check.id, level, check.title, status, reason, time.perf_counter() - start)
+        return "fail", str(exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # CheckpointException, SystemExit, ...: a result (CONF-50)
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+        return "fail", f"{check.id}: {describe(exc)}{where}"
+    return "pass", ""
+
+
+def _short(filename: str) -> str:
+    """``filename`` relative to the working directory when it lies below it."""
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return filename
+
+
+def _run_one(backend: Backend, check: Check, level: str, examples: int, timeout: float) -> Result:
+    missing = [c for c in check.needs if not getattr(backend.capabilities, c)]
+    if missing:
+        reason = f"backend does not declare {', '.join(missing)}"
+        return Result(check.id, level, check.title, "n/a", reason, 0.0)
+    box: list[tuple[str, str]] = []
+    interrupted: list[KeyboardInterrupt] = []
+
+    def body() -> None:
+        try:
+            box.append(_outcome(backend, check, examples))
+        except KeyboardInterrupt as exc:
+            interrupted.append(exc)
+
+    start = time.perf_counter()
+    worker = threading.Thread(target=body, name=f"conformance {check.id}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    seconds = time.perf_counter() - start
+    if interrupted:
+        raise interrupted[0]
+    if worker.is_alive() or not box:
+        reason = (
+            f"{check.id}: timed out after {timeout:g} s (the check was still running and was "
+            "abandoned; the remaining checks ran)"
+        )
+        return Result(check.id, level, check.title, "fail", reason, seconds, timed_out=True)
+    status, reason = box[0]
+    return Result(check.id, level, check.title, status, plain(reason), seconds)
 
 
 def failed_musts(results: Iterable[Result]) -> list[Result]:

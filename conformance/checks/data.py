@@ -1,5 +1,5 @@
-"""Data checks: bit-exact reads of every dtype and shape, bytes, many items, partial reads
-(CONF-10..15)."""
+"""Data checks: bit-exact reads of every dtype, size and shape, bytes, many items, partial reads
+(CONF-10..15, CONF-30, CONF-46)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,19 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from conformance.checks.common import roundtrip, save_at
 from conformance.drive import load_ranks
 from conformance.registry import CheckFailed, Context, spec
-from conformance.truth import DTYPES, bits, rand_tensor
+from conformance.truth import DTYPES, bits, finite_tensor, rand_tensor, special_values
 
 
-@spec("CONF-10", title="every dtype reads back bit-exact")
+@spec("CONF-10", title="every dtype reads back bit-exact, special values included")
 def every_dtype(ctx: Context) -> None:
     gen = torch.Generator().manual_seed(10)
-    sd: dict[str, Any] = {
-        str(dt).replace("torch.", ""): rand_tensor((5, 7), dt, gen) for dt in DTYPES
-    }
+    sd: dict[str, Any] = {}
+    for dt in DTYPES:
+        name = str(dt).replace("torch.", "")
+        sd[name] = rand_tensor((5, 7), dt, gen)
+        if dt.is_floating_point or dt.is_complex:
+            # NaN payloads and signs, +-inf, +-0, subnormals: each a distinct bit pattern.
+            sd[f"{name}.special"] = special_values(dt)
     roundtrip(ctx, [sd], "CONF-10")
 
 
@@ -32,7 +36,7 @@ def every_dtype(ctx: Context) -> None:
 def degenerate_shapes(ctx: Context) -> None:
     gen = torch.Generator().manual_seed(11)
     sd: dict[str, Any] = {
-        "scalar_f32": rand_tensor((), torch.float32, gen),
+        "scalar_f32": finite_tensor((), torch.float32, gen),
         "scalar_i64": rand_tensor((), torch.int64, gen),
         "scalar_bool": rand_tensor((), torch.bool, gen),
         "empty_1d": torch.empty((0,), dtype=torch.float32),
@@ -45,7 +49,7 @@ def degenerate_shapes(ctx: Context) -> None:
 @spec("CONF-12", title="views and non-contiguous sources save their logical values")
 def views(ctx: Context) -> None:
     gen = torch.Generator().manual_seed(12)
-    base = rand_tensor((8, 10), torch.float32, gen)
+    base = finite_tensor((8, 10), torch.float32, gen)
     sd: dict[str, Any] = {
         "transposed": base.t(),
         "strided": base[::2, 1::3],
@@ -56,6 +60,30 @@ def views(ctx: Context) -> None:
     roundtrip(ctx, [sd], "CONF-12")
 
 
+#: (name, dtype, element count) of CONF-46's tensors: byte counts around 4 KiB and
+#: 64 KiB, and 6 MiB + 4 bytes, past 1, 2, 4 and 5 MiB part or buffer boundaries.
+SIZES: tuple[tuple[str, torch.dtype, int], ...] = (
+    ("empty", torch.float32, 0),
+    ("one_element", torch.float64, 1),
+    ("odd_3_bytes", torch.uint8, 3),
+    ("odd_91_int16", torch.int16, 91),
+    ("bytes_4095", torch.uint8, 4095),
+    ("bytes_4096", torch.float32, 1024),
+    ("bytes_4097", torch.uint8, 4097),
+    ("bytes_65536", torch.float32, 16384),
+    ("bytes_65537", torch.uint8, 65537),
+    ("bytes_6MiB_plus_4", torch.float32, 6 * 2**18 + 1),
+)
+
+
+@spec("CONF-46", title="tensors from empty to 6 MiB read back bit-exact")
+def sizes(ctx: Context) -> None:
+    gen = torch.Generator().manual_seed(46)
+    sd: dict[str, Any] = {name: finite_tensor((n,), dt, gen) for name, dt, n in SIZES}
+    sd["bytes_65536"] = sd["bytes_65536"].reshape(128, 128)
+    roundtrip(ctx, [sd], "CONF-46")
+
+
 @dataclass(frozen=True)
 class Opaque:
     """A picklable object that torch stores as one bytes item (no flattening)."""
@@ -64,11 +92,17 @@ class Opaque:
     values: tuple[int, ...]
 
 
-@spec("CONF-13", title="bytes items (BytesIO and pickled objects) read back exactly")
+@spec(
+    "CONF-13",
+    title="bytes items (BytesIO and pickled objects) read back exactly",
+    needs=("bytes_items",),
+)
 def bytes_items(ctx: Context) -> None:
     sd: dict[str, Any] = {
         "raw": io.BytesIO(bytes(range(256)) * 3),
         "empty_raw": io.BytesIO(b""),
+        "raw_4097": io.BytesIO(bytes(range(251)) * 16 + bytes(81)),
+        "raw_65537": io.BytesIO(bytes(range(255, -1, -1)) * 256 + b"\x01"),
         "obj": Opaque("ünïcode", (1, 2, 3)),
         "text": "plain string",
         "number": 42,
@@ -81,9 +115,8 @@ def bytes_items(ctx: Context) -> None:
 def many_items(ctx: Context) -> None:
     gen = torch.Generator().manual_seed(14)
     sd: dict[str, Any] = {
-        f"layer{i:03d}.w": rand_tensor((i % 5 + 1,), torch.float32, gen) for i in range(300)
+        f"layer{i:03d}.w": finite_tensor((i % 5 + 1,), torch.float32, gen) for i in range(300)
     }
-    sd.update({f"blob{i:02d}": io.BytesIO(bytes([i]) * i) for i in range(20)})
     roundtrip(ctx, [sd], "CONF-14")
 
 
@@ -126,9 +159,9 @@ Boxes = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
 def _saved_for_boxes(ctx: Context) -> tuple[Any, dict[str, Any]]:
     gen = torch.Generator().manual_seed(15)
     sd: dict[str, Any] = {
-        "w": rand_tensor((9, 7), torch.float32, gen),
+        "w": finite_tensor((9, 7), torch.float32, gen),
         "v": rand_tensor((13,), torch.int64, gen),
-        "h": rand_tensor((4, 6, 5), torch.bfloat16, gen),
+        "h": finite_tensor((4, 6, 5), torch.bfloat16, gen),
     }
     loc = ctx.location()
     (truth,) = save_at(ctx, loc, [sd])

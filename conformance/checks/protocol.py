@@ -9,22 +9,58 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.futures import Future
 
-from conformance.checks.common import blank_dest, rank_sd, roundtrip, sample_sd
+from conformance.checks.common import (
+    blank_dest,
+    committed,
+    load_error,
+    rank_sd,
+    roundtrip,
+    sample_sd,
+    world,
+)
 from conformance.drive import SaveTrace, load_ranks, save_ranks
-from conformance.registry import CheckFailed, Context, spec
+from conformance.registry import CheckFailed, Context, backend_error, describe, spec
 from conformance.truth import assert_same, clone_truth
 
 
 @spec("CONF-1", title="reset(checkpoint_id) retargets a writer and a reader")
 def reset_with_id(ctx: Context) -> None:
-    first, second = ctx.location(), ctx.location()
-    sd = sample_sd(1)
-    truth = clone_truth(sd)
-    writer = ctx.backend.writer(first, rank=0)
-    save_ranks([writer], [sd], checkpoint_id=second)
-    dest = blank_dest(truth)
-    load_ranks([ctx.backend.reader(first)], [dest], checkpoint_id=second)
-    assert_same(dest, truth, "CONF-1")
+    built_for, first, second = ctx.location(), ctx.location(), ctx.location()
+    saved: list[tuple[str, Any, dict[str, Any]]] = []
+    for name, loc, seed in (("first", first, 1), ("second", second, 101)):
+        sd = sample_sd(seed, 2 if name == "first" else 3)
+        saved.append((name, loc, clone_truth(sd)))
+        # A writer built for another location, retargeted by reset(checkpoint_id).
+        save_ranks([ctx.backend.writer(built_for, rank=0)], [sd], checkpoint_id=loc)
+    for name, loc, truth in saved:
+        seen = load_error(ctx, loc)
+        if seen is not None:
+            raise CheckFailed(
+                f"CONF-1: after a save through a writer built for another location and reset to "
+                f"the {name} location, a reader for that location raised {describe(seen)}"
+            )
+        dest = blank_dest(truth)
+        try:
+            load_ranks([ctx.backend.reader(built_for)], [dest], checkpoint_id=loc)
+        except BaseException as exc:
+            if not backend_error(exc):
+                raise
+            raise CheckFailed(
+                f"CONF-1: a load through a reader built for another location and reset to the "
+                f"{name} location raised {describe(exc)}"
+            ) from exc
+        try:
+            assert_same(dest, truth, "CONF-1")
+        except CheckFailed as exc:
+            raise CheckFailed(
+                f"{exc} (read through a reader built for another location and reset to the "
+                f"{name} location)"
+            ) from exc
+    if committed(ctx, built_for):
+        raise CheckFailed(
+            "CONF-1: the location the writers were built for is loadable although every save "
+            "was reset to another location"
+        )
 
 
 @spec("CONF-2", title="reset() with no id keeps the location given at construction")
@@ -41,18 +77,20 @@ def reset_without_id(ctx: Context) -> None:
 @spec("CONF-3", title="set_up_storage_writer/reader accept torch 2.13's arguments")
 def set_up_arguments(ctx: Context) -> None:
     loc = ctx.location()
-    writer = ctx.backend.writer(loc, rank=1)
+    ranks = world(ctx)  # two ranks in one location only with shared_location (CONF-55)
+    rank = ranks - 1
+    writer = ctx.backend.writer(loc, rank=rank)
     writer.reset(loc)
     try:
-        writer.set_up_storage_writer(False, rank=1, use_collectives=True)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     except TypeError as exc:
         # Only a signature without **kwargs may refuse keywords; torch then passes none.
         import inspect
 
         if "kwargs" in inspect.signature(writer.set_up_storage_writer).parameters:
             raise CheckFailed(f"CONF-3: set_up_storage_writer(**kwargs) refused: {exc}") from exc
-        writer.set_up_storage_writer(False)
-    roundtrip(ctx, [rank_sd(0, 3), rank_sd(1, 4)], "CONF-3")
+        writer.set_up_storage_writer(rank == 0)
+    roundtrip(ctx, [rank_sd(r, 3 + r) for r in range(ranks)], "CONF-3")
 
 
 @spec("CONF-4", title="only the coordinator receives prepare_global_plan and finish")
@@ -67,23 +105,19 @@ def _items(plan: SavePlan | LoadPlan) -> list[Any]:
     return sorted(repr(i) for i in plan.items)
 
 
-def _save_trace(ctx: Context, world: int) -> SaveTrace:
+def _save_trace(ctx: Context, n: int) -> SaveTrace:
     loc = ctx.location()
     tr = SaveTrace()
-    sds = [rank_sd(r, 10 + r) for r in range(world)]
+    sds = [rank_sd(r, 10 + r) for r in range(n)]
     save_ranks(
-        [ctx.backend.writer(loc, rank=r) for r in range(world)], sds, checkpoint_id=loc, trace=tr
+        [ctx.backend.writer(loc, rank=r) for r in range(n)], sds, checkpoint_id=loc, trace=tr
     )
     return tr
 
 
-def _world(ctx: Context) -> int:
-    return 2 if ctx.backend.capabilities.shared_location else 1
-
-
 @spec("CONF-5", title="prepare_local_plan keeps every write item unchanged")
 def local_plan_keeps_items(ctx: Context) -> None:
-    tr = _save_trace(ctx, _world(ctx))
+    tr = _save_trace(ctx, world(ctx))
     for rank, (before, after) in enumerate(zip(tr.local_in, tr.local_out, strict=True)):
         if not isinstance(after, SavePlan):
             raise CheckFailed(f"CONF-5: rank {rank} prepare_local_plan returned {type(after)}")
@@ -93,7 +127,7 @@ def local_plan_keeps_items(ctx: Context) -> None:
 
 @spec("CONF-6", title="prepare_global_plan returns one plan per rank, keeping every item")
 def global_plan_keeps_items(ctx: Context) -> None:
-    tr = _save_trace(ctx, _world(ctx))
+    tr = _save_trace(ctx, world(ctx))
     if len(tr.global_out) != len(tr.global_in):
         raise CheckFailed(
             f"CONF-6: prepare_global_plan returned {len(tr.global_out)} plans "
@@ -107,14 +141,14 @@ def global_plan_keeps_items(ctx: Context) -> None:
 @spec("CONF-7", title="the reader's prepare_local_plan/prepare_global_plan keep every read item")
 def load_plans_keep_items(ctx: Context) -> None:
     loc = ctx.location()
-    world = _world(ctx)
-    sds = [rank_sd(r, 20 + r) for r in range(world)]
+    n = world(ctx)
+    sds = [rank_sd(r, 20 + r) for r in range(n)]
     truths = [clone_truth(sd) for sd in sds]
-    save_ranks([ctx.backend.writer(loc, rank=r) for r in range(world)], sds, checkpoint_id=loc)
+    save_ranks([ctx.backend.writer(loc, rank=r) for r in range(n)], sds, checkpoint_id=loc)
     seen: list[tuple[list[LoadPlan], list[LoadPlan]]] = []
     dests = [blank_dest(t) for t in truths]
     load_ranks(
-        [ctx.backend.reader(loc) for _ in range(world)], dests, checkpoint_id=loc, plans_seen=seen
+        [ctx.backend.reader(loc) for _ in range(n)], dests, checkpoint_id=loc, plans_seen=seen
     )
     for stage, (before, after) in zip(("local", "global"), seen, strict=True):
         if len(before) != len(after):
@@ -126,7 +160,7 @@ def load_plans_keep_items(ctx: Context) -> None:
 
 @spec("CONF-8", title="write_data's future covers every write item exactly once")
 def write_results_cover_items(ctx: Context) -> None:
-    tr = _save_trace(ctx, _world(ctx))
+    tr = _save_trace(ctx, world(ctx))
     for rank, (plan, fut, results) in enumerate(
         zip(tr.final_plans, tr.futures, tr.results, strict=True)
     ):

@@ -10,11 +10,11 @@ import torch
 
 from conformance.checks.common import load_into, roundtrip, sample_sd, save_at
 from conformance.registry import CheckFailed, Context, NotApplicable, spec
-from conformance.truth import assert_same, rand_tensor
+from conformance.truth import assert_same, finite_tensor
 
 
 def _rank_sds(world: int) -> list[dict[str, Any]]:
-    shared = rand_tensor((6, 3), torch.float64, torch.Generator().manual_seed(99))
+    shared = finite_tensor((6, 3), torch.float64, torch.Generator().manual_seed(99))
     sds = []
     for r in range(world):
         sd = sample_sd(100 + r, 2 + r)
@@ -111,6 +111,6 @@ def concurrent_readers(ctx: Context) -> None:
 @spec("CONF-19", title="a writer with thread_count=4 round-trips", needs=("thread_count",))
 def thread_count(ctx: Context) -> None:
     gen = torch.Generator().manual_seed(19)
-    sd: dict[str, Any] = {f"p{i}": rand_tensor((i + 1, 9), torch.float32, gen) for i in range(12)}
+    sd: dict[str, Any] = {f"p{i}": finite_tensor((i + 1, 9), torch.float32, gen) for i in range(12)}
     sd.update(sample_sd(190))
     roundtrip(ctx, [sd], "CONF-19", thread_count=4)

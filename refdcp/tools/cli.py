@@ -30,6 +30,17 @@ def _int_between(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0, else a usage error (exit 2) (TOOL-23)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="refdcp", description="refdcp: reference PyTorch DCP tooling")
     sub = p.add_subparsers(dest="command", required=True)
@@ -61,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     conf.add_argument(
         "--examples", type=_int_between(1), default=10, help="hypothesis examples per check"
+    )
+    conf.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=120.0,
+        help="seconds per check before it fails (CONF-51)",
     )
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")
@@ -117,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         from conformance.cli import conformance_command
 
         code: int = conformance_command(
-            args.target, json_path=args.json_path, markdown=args.markdown, examples=args.examples
+            args.target,
+            json_path=args.json_path,
+            markdown=args.markdown,
+            examples=args.examples,
+            timeout=args.timeout,
+            exit_when_abandoned=True,
         )
         return code
     if args.command == "convert":
