@@ -35,6 +35,7 @@ CONFIGS = [
     "torch_thread_default",
     "torch_thread_defaultstager_shm",
     "torch_thread_defaultstager_async",
+    "refdcp_thread_default",
     "refdcp_thread_fresh",
     "refdcp_thread_cached",
     "refdcp_thread_cached_bg",
@@ -91,9 +92,16 @@ def _saver(name: str, root: str) -> tuple[Callable[[dict[str, Any], str], Any], 
     from refdcp.staging import CpuStager
 
     limiter = InFlightLimiter(1)
-    if name == "refdcp_thread_fresh":
+    if name == "refdcp_thread_default":  # no stager: the cached default (ASYNC-30)
         return (
             lambda sd, cid: async_save(sd, checkpoint_id=cid, no_dist=True, limiter=limiter),
+            lambda: None,
+        )
+    if name == "refdcp_thread_fresh":
+        return (
+            lambda sd, cid: async_save(
+                sd, checkpoint_id=cid, no_dist=True, limiter=limiter, stager=CpuStager()
+            ),
             lambda: None,
         )
     if name == "refdcp_thread_cached":
@@ -130,7 +138,7 @@ def _saver(name: str, root: str) -> tuple[Callable[[dict[str, Any], str], Any], 
     raise ValueError(name)
 
 
-def run_one(name: str, gib: float, steady: int) -> dict[str, Any]:
+def run_one(name: str, gib: float, steady: int, pause: float = 0.0) -> dict[str, Any]:
     """Measure one configuration in this process."""
     warnings.filterwarnings("ignore")
     import torch
@@ -146,6 +154,8 @@ def run_one(name: str, gib: float, steady: int) -> dict[str, Any]:
     commit: list[float] = []
     try:
         for i in range(1 + steady):
+            if i and pause:  # "cold": memory freed this long ago comes back from the host slowly
+                time.sleep(pause)
             for t in sd.values():
                 t.add_(1.0)  # a training step between saves
             cid = os.path.join(root, f"c{i}")
@@ -202,27 +212,55 @@ def _memcpy_gib_s(gib: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--sizes", type=float, nargs="*", default=None, help="several state sizes (GiB)")
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds between saves ('cold' memory: freed pages return from the host); 0 = warm",
+    )
+    p.add_argument("--json", default=None, help="also write rows for benchmarks/plots.py here")
     p.add_argument("--steady", type=int, default=3)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args.gib, args.steady)))
+        print(json.dumps(run_one(args.one, args.gib, args.steady, args.pause)))
         return
+    sizes = args.sizes or [args.gib]
+    all_rows: list[dict[str, Any]] = []
+    memcpy = 0.0
+    for gib in sizes:
+        args.gib = gib
+        rows, memcpy = _run_size(args)
+        all_rows += [
+            {"config": r["name"], "gib": gib, "blocked_steady": r["blocked_steady_s"], **r}
+            for r in rows
+        ]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {"memcpy_gib_s": memcpy, "pause_s": args.pause, "rows": all_rows}, f, indent=1
+            )
+
+
+def _run_size(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+    """Every configuration at ``args.gib``; print the table; return its rows and memcpy GiB/s."""
     names = args.only or CONFIGS
     here = os.path.dirname(os.path.abspath(__file__))
     rows: list[dict[str, Any]] = []
     for name in names:
         cmd = [sys.executable, os.path.join(here, "bench_async.py"), "--one", name]
-        cmd += ["--gib", str(args.gib), "--steady", str(args.steady)]
+        cmd += ["--gib", str(args.gib), "--steady", str(args.steady), "--pause", str(args.pause)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if out.returncode != 0:
             print(f"{name}: FAILED\n{out.stderr[-2000:]}")
             continue
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    memcpy = _memcpy_gib_s(min(args.gib, 1.0))
     print(
-        f"memcpy: {_memcpy_gib_s(min(args.gib, 1.0)):.1f} GiB/s; state {args.gib} GiB; "
-        f"{args.steady} steady-state saves after the first"
+        f"memcpy: {memcpy:.1f} GiB/s ({args.gib / memcpy:.3f} s for the state); state {args.gib} GiB; "
+        f"{args.steady} steady-state saves after the first; pause {args.pause} s"
     )
     head = (
         "config",
@@ -250,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     by = {r["name"]: r for r in rows}
     ref = by.get("torch_thread_default")
     mine_all = (
+        "refdcp_thread_default",
         "refdcp_thread_cached",
         "refdcp_thread_cached_bg",
         "refdcp_process_cached_shm",
@@ -258,7 +297,12 @@ def main(argv: list[str] | None = None) -> None:
     for mine in mine_all:
         if ref and mine in by:
             ratio = by[mine]["blocked_steady_s"] / ref["blocked_steady_s"]
-            print(f"{mine}: steady blocked = {ratio:.2f}x torch default (target <= 0.5x)")
+            vs_memcpy = by[mine]["blocked_steady_s"] / (args.gib / memcpy)
+            print(
+                f"{mine}: steady blocked = {ratio:.2f}x torch default (target <= 0.5x), "
+                f"{vs_memcpy:.2f}x memcpy (target <= 1.5x)"
+            )
+    return rows, memcpy
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ See ``spec/`` for the requirements every name here is held to.
 from refdcp import _moved
 from refdcp.api import load, save
 from refdcp.asyncsave.checkpointer import Checkpointer
+from refdcp.asyncsave.default_stager import release_staging_buffers
 from refdcp.asyncsave.save import AsyncSaveHandle, async_save
 from refdcp.errors import (
     CheckpointError,
@@ -56,6 +57,7 @@ __all__ = [
     "RefdcpError",
     "async_save",
     "load",
+    "release_staging_buffers",
     "save",
     "verify_checkpoint",
 ]

@@ -253,7 +253,8 @@ def test_fresh_snapshot_is_freed_without_the_garbage_collector(tmp_path: Path) -
     gc.collect()
     gc.disable()
     try:
-        handle = async_save(src, checkpoint_id=str(tmp_path), no_dist=True)
+        # a fresh copy per save (the default stager keeps its buffers: ASYNC-30)
+        handle = async_save(src, checkpoint_id=str(tmp_path), no_dist=True, stager=CpuStager())
         handle.result(timeout=60)
         del handle
         deadline = time.monotonic() + 5

@@ -6,6 +6,13 @@ background); nothing below imports it.
 """
 
 from refdcp.asyncsave.checkpointer import Checkpointer
+from refdcp.asyncsave.default_stager import release_staging_buffers
 from refdcp.asyncsave.save import AsyncSaveHandle, InFlightLimiter, async_save
 
-__all__ = ["AsyncSaveHandle", "Checkpointer", "InFlightLimiter", "async_save"]
+__all__ = [
+    "AsyncSaveHandle",
+    "Checkpointer",
+    "InFlightLimiter",
+    "async_save",
+    "release_staging_buffers",
+]

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from refdcp.asyncsave.default_stager import default_stager
 from refdcp.asyncsave.executors import Executor, SaveFn, executor_for
 from refdcp.asyncsave.groups import checkpoint_process_group
 from refdcp.comm.base import Communicator
@@ -144,19 +145,27 @@ def async_save(
 ) -> AsyncSaveHandle:
     """Stage ``state_dict`` and save the snapshot in the background (ASYNC-1).
 
-    ``stager`` defaults to a fresh-copy :class:`CpuStager` (ASYNC-2).
+    ``stager`` defaults to a cached :class:`CpuStager` shared by the saves of
+    this process (or of ``comm``), whose buffers are reused by the next save of
+    the same structure (ASYNC-30; :func:`release_staging_buffers` frees them);
+    pass ``stager=CpuStager()`` for a fresh copy per save (the process
+    executor's default).
     ``limiter`` bounds saves in flight (default :data:`DEFAULT_LIMITER`, one
     save per process, or per ``comm`` when one is given; ASYNC-5). ``save_fn``
     replaces ``refdcp.save`` (e.g. a wrapper for fault injection); it is called
     with the staged dict and the keyword arguments ``checkpoint_id``,
     ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``.
     """
-    plan = executor_for(executor).plan(
-        comm=comm, process_group=process_group, no_dist=no_dist, save_fn=save_fn
-    )
+    chosen = executor_for(executor)
+    plan = chosen.plan(comm=comm, process_group=process_group, no_dist=no_dist, save_fn=save_fn)
     bg_comm, fn = plan.comm, plan.save_fn
     limiter = _default_limiter(comm) if limiter is None else limiter
-    stager_ = CpuStager() if stager is None else stager
+    if stager is not None:
+        stager_: AsyncStager = stager
+    elif chosen.name == "thread":
+        stager_ = default_stager(comm)
+    else:  # the process worker moves the snapshot to shared memory: a fresh copy (ASYNC-30)
+        stager_ = CpuStager()
 
     limiter.acquire()
     handle = AsyncSaveHandle()

@@ -161,6 +161,14 @@ class BufferPool:
             self._apply(lease.bset, Event.RELEASE)
             self._cond.notify_all()
 
+    def trim(self) -> int:
+        """Free every buffer set not leased now; return the bytes the leased ones still hold (ASYNC-31)."""
+        with self._cond:
+            for bset in [s for s in self._sets if s.state in (State.IDLE, State.RELEASED)]:
+                self._apply(bset, Event.CLOSE)
+                self._sets.remove(bset)
+            return sum(s.nbytes for s in self._sets)
+
     def close(self) -> None:
         """Free every buffer set; raises ProtocolError if one is still leased (STAGE-4)."""
         with self._cond:
