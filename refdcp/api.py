@@ -116,7 +116,13 @@ def save(
         planner=planner or _default_save_planner(),
         checkpoint_id=checkpoint_id,
     )
-    result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+    try:
+        result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+    except BaseException:
+        from refdcp.storage.cleanup import abort_writer
+
+        abort_writer(ctx.writer)  # remove what this rank wrote, free the lock (STORE-31)
+        raise
     return result
 
 

@@ -6,9 +6,12 @@ from refdcp.errors import RefdcpError
 
 __all__ = [
     "CheckpointExistsError",
+    "ConcurrentSaveError",
     "CorruptionError",
     "FormatVersionError",
+    "MalformedMetadataError",
     "UnsafeMetadataError",
+    "UnsafePathError",
 ]
 
 
@@ -47,3 +50,34 @@ class FormatVersionError(RefdcpError):
 
 class CheckpointExistsError(RefdcpError, FileExistsError):
     """``overwrite=False`` and a committed checkpoint is already at the path (STORE-6)."""
+
+
+class MalformedMetadataError(CorruptionError):
+    """``.metadata`` unpickled, but a field has the wrong type or exceeds a limit (FMT-9, FMT-10).
+
+    ``field`` is the dotted path of the offending field, e.g.
+    ``state_dict_metadata['w'].chunks[0].sizes``.
+    """
+
+    def __init__(self, message: str, *, field: str, file: str) -> None:
+        super().__init__(f"{field}: {message}", fqn=None, file=file, offset=0)
+        self.field = field
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_malformed, (self.args[0], self.field, self.file))
+
+
+def _rebuild_malformed(message: str, field: str, file: str) -> MalformedMetadataError:
+    err = MalformedMetadataError.__new__(MalformedMetadataError)
+    RefdcpError.__init__(err, message)
+    err.fqn, err.file, err.offset, err.field = None, file, 0, field
+    return err
+
+
+class UnsafePathError(UnsafeMetadataError):
+    """A data-file name from ``.metadata`` is not a plain name of a regular file
+    inside the checkpoint directory (STORE-26, STORE-27)."""
+
+
+class ConcurrentSaveError(RefdcpError):
+    """Another save into the same checkpoint path holds its lock (STORE-29)."""
