@@ -112,7 +112,7 @@ def _proc_save(path: str, i: int, start: Any, results: Any) -> None:
 
 
 def _race_processes(path: Path, n: int) -> set[int]:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")  # no fork of a process that already ran torch threads
     start = ctx.Event()
     results = ctx.Queue()
     procs = [ctx.Process(target=_proc_save, args=(str(path), i, start, results)) for i in range(1, n + 1)]
