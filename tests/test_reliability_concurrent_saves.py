@@ -115,7 +115,9 @@ def _race_processes(path: Path, n: int) -> set[int]:
     ctx = mp.get_context("spawn")  # no fork of a process that already ran torch threads
     start = ctx.Event()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_proc_save, args=(str(path), i, start, results)) for i in range(1, n + 1)]
+    procs = [
+        ctx.Process(target=_proc_save, args=(str(path), i, start, results)) for i in range(1, n + 1)
+    ]
     for p in procs:
         p.start()
     start.set()
@@ -206,7 +208,11 @@ def test_without_flock_only_a_dead_pid_on_this_host_is_stale(
     dead.start()
     dead.join()
     lockfile = tmp_path / ".metadata.lock"
-    for pid, who, stale in ((dead.pid, host, True), (os.getpid(), host, False), (dead.pid, "elsewhere", False)):
+    for pid, who, stale in (
+        (dead.pid, host, True),
+        (os.getpid(), host, False),
+        (dead.pid, "elsewhere", False),
+    ):
         lockfile.write_text(json.dumps({"pid": pid, "host": who, "boot_id": boot, "token": "ab"}))
         if stale:
             got = acquire_save_lock(tmp_path, ".metadata", "cd")

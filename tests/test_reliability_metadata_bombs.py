@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import pickle
 import re
 import struct
 import time
@@ -89,7 +88,7 @@ _ENTRY_POINTS: dict[str, Callable[[Path], Any]] = {
 
 
 def _refused(path: Path, match: str) -> None:
-    for name, entry in _ENTRY_POINTS.items():
+    for entry in _ENTRY_POINTS.values():
         with pytest.raises(BaseException, match=match):
             entry(path)
     try:

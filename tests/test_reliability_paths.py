@@ -159,7 +159,9 @@ def test_non_regular_data_files_are_refused(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.spec("STORE-28")
-def test_verify_reads_only_the_stated_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_reads_only_the_stated_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A data file far larger than its items: verify reads the items' bytes, not the file."""
     path = _ckpt(tmp_path)
     (data,) = [n for n in os.listdir(path) if n.endswith(".distcp")]
@@ -188,7 +190,7 @@ def test_a_chunk_larger_than_its_item_is_refused_before_allocating(tmp_path: Pat
         if getattr(info, "refdcp_data_offset", None) is not None:
             info.length = info.refdcp_data_offset + 16  # the chunk needs 256 bytes
     (path / ".metadata").write_bytes(dump_metadata(md))
-    with pytest.raises(BaseException, match="needs .* bytes but the item is"):
+    with pytest.raises(BaseException, match=r"needs .* bytes but the item is"):
         refdcp.load(_empty(), checkpoint_id=path)
 
 
