@@ -243,7 +243,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
                         for t in {self.save_id, self._token}
                     ],
                 )
-            elif self._written and wait_until_not_live(self.path, self._token, 2.0):
+            elif self._written and wait_until_not_live(self.path, self._token, 1.0):
                 refs = committed_references(self.path)
                 if refs is not None:
                     remove_files(self.path, [n for n in self._written if n not in refs])
@@ -405,11 +405,13 @@ class FileSystemWriter(_AtPath, StorageWriter):
             if not self._committed:
                 self.abort_save()  # nothing was committed: remove every rank's files (STORE-31)
             raise
-        if self.sync_files:
-            _fsync_dir(self.path)
-        self._clean_up(storage_md)
-        self._written = []
-        self._release_lock()
+        try:
+            if self.sync_files:
+                _fsync_dir(self.path)
+            self._clean_up(storage_md)
+        finally:
+            self._written = []
+            self._release_lock()  # committed: the save is over even if the fsync failed
 
     def _clean_up(self, storage_md: dict[Any, Any]) -> None:
         """Remove data and temp files the committed metadata does not reference (STORE-5),
