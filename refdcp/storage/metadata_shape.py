@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import pathlib
+import re
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ from refdcp.storage.safe_metadata import settle
 __all__ = ["check_metadata"]
 
 _MISSING = object()
+#: Names ``check_data_name`` certainly accepts (the fast path; anything else is checked fully).
+_PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_.-]{1,200}\Z")
 _LEAVES = (
     int,
     float,
@@ -151,7 +154,8 @@ class _Checker:
             self.field(md, "state_dict_metadata", _ROOT), at.attr("state_dict_metadata")
         )
         for fqn, entry in sdm.items():
-            self.entry(fqn, entry, at.attr("state_dict_metadata").key(fqn))
+            if not self.entry_ok(fqn, entry):  # the detailed check names what is wrong
+                self.entry(fqn, entry, at.attr("state_dict_metadata").key(fqn))
         self.string(self.field(md, "version", _ROOT), at.attr("version"), optional=True)
         sm = self.field(md, "storage_meta", _ROOT)
         if sm is not None:
@@ -160,11 +164,75 @@ class _Checker:
         if storage is not None:
             sw = at.attr("storage_data")
             for key, info in self.dict_of(storage, sw).items():
-                self.storage_record(key, info, sw)
+                if not self.record_ok(key, info):
+                    self.storage_record(key, info, sw)
         skip = {"state_dict_metadata", "version", "storage_meta", "storage_data"}
         for name, value in list(vars(md).items()):
             if name not in skip:
                 self.generic(value, at.attr(name))
+
+    # -- fast paths: True only for what the detailed checks accept (no settling needed) -----
+    def entry_ok(self, fqn: Any, entry: Any) -> bool:
+        if type(fqn) is not str or len(fqn) > self.limits.max_string_chars:
+            return False
+        kind = type(entry)
+        if kind is BytesStorageMetadata:
+            return True
+        if kind is not TensorStorageMetadata:
+            return False
+        d = entry.__dict__
+        props, size, chunks = d.get("properties"), d.get("size"), d.get("chunks")
+        if type(props) is not TensorProperties or type(size) is not torch.Size:
+            return False
+        if type(chunks) is not list or (size and min(size) < 0):
+            return False
+        p = props.__dict__
+        if not (
+            type(p.get("dtype")) is torch.dtype
+            and type(p.get("layout")) is torch.layout
+            and type(p.get("requires_grad")) is bool
+            and type(p.get("memory_format")) is torch.memory_format
+            and type(p.get("pin_memory")) is bool
+        ):
+            return False
+        ndim = len(size)
+        for chunk in chunks:
+            if type(chunk) is not ChunkStorageMetadata:
+                return False
+            c = chunk.__dict__
+            offsets, sizes = c.get("offsets"), c.get("sizes")
+            if type(offsets) is not torch.Size or type(sizes) is not torch.Size:
+                return False
+            if len(offsets) != ndim or len(sizes) != ndim:
+                return False
+            for o, n, full in zip(offsets, sizes, size, strict=True):
+                if o < 0 or n < 0 or o + n > full:
+                    return False
+        return True
+
+    def record_ok(self, key: Any, info: Any) -> bool:
+        if type(key) is not MetadataIndex or type(info) is not _StorageInfo:
+            return False
+        k = key.__dict__
+        fqn, offset, index = k.get("fqn"), k.get("offset"), k.get("index")
+        if type(fqn) is not str or len(fqn) > self.limits.max_string_chars:
+            return False
+        if offset is not None and (type(offset) is not torch.Size or (offset and min(offset) < 0)):
+            return False
+        if index is not None and (type(index) is not int or index < 0):
+            return False
+        d = info.__dict__
+        name, start, length = d.get("relative_path"), d.get("offset"), d.get("length")
+        if type(name) is not str or not _PLAIN_NAME.match(name) or name in (".", ".."):
+            return False
+        if type(start) is not int or start < 0 or type(length) is not int or length < 0:
+            return False
+        if d.get("transform_descriptors") is not None:
+            return False  # rare: the detailed check looks at it
+        crc, data_offset = d.get("refdcp_crc32c"), d.get("refdcp_data_offset")
+        if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
+            return False
+        return data_offset is None or (type(data_offset) is int and 0 <= data_offset <= length)
 
     def entry(self, fqn: Any, entry: Any, where: _At) -> None:
         self.string(fqn, where)
