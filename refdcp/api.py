@@ -117,8 +117,14 @@ def save(
         planner=planner or _default_save_planner(),
         checkpoint_id=checkpoint_id,
     )
-    with gc_paused():
-        result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+    try:
+        with gc_paused():
+            result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+    except BaseException:
+        from refdcp.storage.cleanup import abort_writer
+
+        abort_writer(ctx.writer)  # remove what this rank wrote, free the lock (STORE-31)
+        raise
     return result
 
 

@@ -2,26 +2,35 @@
 
 from refdcp.storage.errors import (
     CheckpointExistsError,
+    ConcurrentSaveError,
     CorruptionError,
     FormatVersionError,
+    MalformedMetadataError,
     MissingChecksumError,
     UnsafeMetadataError,
+    UnsafePathError,
 )
 from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
 from refdcp.storage.memory import MemoryReader, MemoryStorage, MemoryWriter
+from refdcp.storage.metadata_limits import MetadataLimits, set_metadata_limits
 from refdcp.storage.verify import VerifyReport, verify_checkpoint
 
 __all__ = [
     "CheckpointExistsError",
+    "ConcurrentSaveError",
     "CorruptionError",
     "FileSystemReader",
     "FileSystemWriter",
     "FormatVersionError",
+    "MalformedMetadataError",
     "MemoryReader",
     "MemoryStorage",
     "MemoryWriter",
+    "MetadataLimits",
     "MissingChecksumError",
     "UnsafeMetadataError",
+    "UnsafePathError",
     "VerifyReport",
+    "set_metadata_limits",
     "verify_checkpoint",
 ]

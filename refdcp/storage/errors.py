@@ -6,10 +6,13 @@ from refdcp.errors import RefdcpError
 
 __all__ = [
     "CheckpointExistsError",
+    "ConcurrentSaveError",
     "CorruptionError",
     "FormatVersionError",
     "MissingChecksumError",
+    "MalformedMetadataError",
     "UnsafeMetadataError",
+    "UnsafePathError",
 ]
 
 
@@ -52,3 +55,34 @@ class CheckpointExistsError(RefdcpError, FileExistsError):
 
 class MissingChecksumError(RefdcpError):
     """verify was requested for an item that has no recorded checksum (INTEG-5)."""
+
+
+class MalformedMetadataError(CorruptionError):
+    """``.metadata`` unpickled, but a field has the wrong type or exceeds a limit (FMT-9, FMT-10).
+
+    ``field`` is the dotted path of the offending field, e.g.
+    ``state_dict_metadata['w'].chunks[0].sizes``.
+    """
+
+    def __init__(self, message: str, *, field: str, file: str) -> None:
+        super().__init__(f"{field}: {message}", fqn=None, file=file, offset=0)
+        self.field = field
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_malformed, (self.args[0], self.field, self.file))
+
+
+def _rebuild_malformed(message: str, field: str, file: str) -> MalformedMetadataError:
+    err = MalformedMetadataError.__new__(MalformedMetadataError)
+    RefdcpError.__init__(err, message)
+    err.fqn, err.file, err.offset, err.field = None, file, 0, field
+    return err
+
+
+class UnsafePathError(UnsafeMetadataError):
+    """A data-file name from ``.metadata`` is not a plain name of a regular file
+    inside the checkpoint directory (STORE-26, STORE-27)."""
+
+
+class ConcurrentSaveError(RefdcpError):
+    """Another save into the same checkpoint path holds its lock (STORE-29)."""

@@ -9,7 +9,7 @@ import dataclasses
 import io
 import math
 import os
-import warnings
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +33,13 @@ from torch.futures import Future
 
 from refdcp.errors import RefdcpError
 from refdcp.storage import layout
+from refdcp.storage.cleanup import (
+    committed_references,
+    reclaim_orphans,
+    remove_files,
+    token_of,
+    wait_until_not_live,
+)
 from refdcp.storage.commit_mark import mark as mark_commit
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError
 from refdcp.storage.items import (
@@ -49,7 +56,14 @@ from refdcp.storage.items import (
     verify_blob,
     whole_chunk,
 )
-from refdcp.storage.safe_metadata import dump_metadata, finalize_metadata, load_metadata
+from refdcp.storage.lock import SaveLock, acquire_save_lock
+from refdcp.storage.paths import check_data_name, open_data_file
+from refdcp.storage.safe_metadata import (
+    dump_metadata,
+    finalize_metadata,
+    load_metadata,
+    read_metadata_file,
+)
 from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
@@ -162,6 +176,10 @@ class FileSystemWriter(_AtPath, StorageWriter):
     Data files get names unique to this save (``__{rank}_{n}.{token}.distcp``);
     ``.metadata`` is written to a temporary name, fsynced and atomically
     renamed over the old one; unreferenced files are removed after commit.
+    The coordinator holds the directory's save lock from ``prepare_local_plan``
+    to the end of the save (STORE-29); a failed save removes what it wrote
+    (``abort_save``, STORE-31) and a save first reclaims orphans of earlier
+    failed or killed saves (STORE-32).
     """
 
     def __init__(
@@ -188,17 +206,86 @@ class FileSystemWriter(_AtPath, StorageWriter):
         self.rank: int | None = None
         self.use_collectives = True
         self.is_coordinator = False
+        self._lock: SaveLock | None = None
+        self._token = self.save_id
+        self._written: list[str] = []
+        self._committed = False
+
+    # -- locking and cleanup (STORE-29..STORE-33) ---------------------------------------------
+    def _take_lock(self) -> None:
+        self._release_lock()
+        name = layout.rank_metadata_name(self._metadata_rank())
+        lock = acquire_save_lock(self.path, name, self.save_id)
+        self._lock = lock
+        weakref.finalize(self, lock.release)  # a writer dropped after a failure frees its lock
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _own_prefix(self) -> str | None:
+        rank = self._metadata_rank()
+        return None if rank is None else f"__{rank}_"
+
+    def abort_save(self) -> None:
+        """Remove what this save wrote and free its lock, after a failure on any rank (STORE-31).
+
+        Best effort, and never a file a committed ``.metadata`` references. The
+        coordinator removes every rank's files of this save (they share its
+        token); another rank removes its own once the save's lock is free.
+        """
+        try:
+            if self._lock is not None:
+                names = self._token_files(self._token) if not self._committed else []
+                if self._committed or names:
+                    refs = committed_references(self.path)
+                    if refs is not None:
+                        remove_files(self.path, [n for n in names if n not in refs])
+                remove_files(
+                    self.path,
+                    [
+                        layout.metadata_temp_name(self._metadata_rank(), t)
+                        for t in {self.save_id, self._token}
+                    ],
+                )
+            elif self._written and wait_until_not_live(self.path, self._token, 1.0):
+                refs = committed_references(self.path)
+                if refs is not None:
+                    remove_files(self.path, [n for n in self._written if n not in refs])
+        finally:
+            self._written = []
+            self._release_lock()
+
+    def _token_files(self, token: str) -> list[str]:
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return []
+        prefix = self._own_prefix()
+        return [
+            n
+            for n in names
+            if layout.is_data_file(n)
+            and token_of(n) == token
+            and (prefix is None or n.startswith(prefix))
+        ]
 
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._release_lock()
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.save_id = layout.new_save_token()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._release_lock()  # a reused writer: its previous save is over
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
         self.save_id = layout.new_save_token()  # fresh names for every save (STORE-2)
+        self._token = self.save_id
+        self._written = []
+        self._committed = False
         self.use_collectives = bool(kwargs.get("use_collectives", True))
 
     def _metadata_rank(self) -> int | None:
@@ -211,22 +298,37 @@ class FileSystemWriter(_AtPath, StorageWriter):
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {self.path} and overwrite=False"
             )
+        if self.is_coordinator or not self.use_collectives:
+            self._take_lock()  # STORE-29: before any rank writes a data file
+            reclaim_orphans(self.path, own_token=self.save_id, rank_prefix=self._own_prefix())
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return layout.assign_rank_prefixes(plans)
+        return layout.with_save_token(layout.assign_rank_prefixes(plans), self.save_id)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        except BaseException:
+            # this rank's files of this save are never committed data: remove them now
+            # (STORE-31), e.g. after ENOSPC, so the space is free again
+            remove_files(self.path, self._written)
+            self._written = []
+            if self._lock is not None:
+                self._release_lock()  # the coordinator's write failed: this save cannot commit
+            raise
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = layout.plan_prefix(plan)
+        self._token = layout.plan_token(plan) or self.save_id
         if self.single_file_per_rank:
             groups = split_into_buckets(self.thread_count, list(plan.items))
         else:
             groups = [[item] for item in plan.items]
         jobs = [
-            (layout.data_file_name(prefix, n, self.save_id), items)
-            for n, items in enumerate(groups)
+            (layout.data_file_name(prefix, n, self._token), items) for n, items in enumerate(groups)
         ]
         if self.thread_count > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="refdcp-write") as pool:
@@ -246,6 +348,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
         fd = os.open(self.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._written.append(name)
         try:
             out = _FileOut(fd)
             ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
@@ -294,38 +397,37 @@ class FileSystemWriter(_AtPath, StorageWriter):
             if self.sync_files:
                 _fsync_dir(self.path)
             os.replace(tmp, final)  # the commit point (STORE-1)
+            self._committed = True
         except BaseException as exc:
             tmp.unlink(missing_ok=True)
-            mark_commit(exc, False)  # SAVE-16
+            if not self._committed:
+                mark_commit(exc, False)  # SAVE-16
+                self.abort_save()  # nothing was committed: remove every rank's files (STORE-31)
             raise
         try:
             if self.sync_files:
                 _fsync_dir(self.path)
-            self._clean_up(storage_md, rank)
+            self._clean_up(storage_md)
         except BaseException as exc:
             mark_commit(exc, True)  # renamed into place: committed and loadable (SAVE-16)
             raise
+        finally:
+            self._written = []
+            self._release_lock()  # committed: the save is over even if the fsync failed
 
-    def _clean_up(self, storage_md: dict[Any, Any], rank: int | None) -> None:
-        """Remove data and temp files the committed metadata does not reference (STORE-5)."""
+    def _clean_up(self, storage_md: dict[Any, Any]) -> None:
+        """Remove data and temp files the committed metadata does not reference (STORE-5),
+        sparing files of any live save (STORE-30)."""
         keep = {
             info.relative_path for info in storage_md.values() if isinstance(info, _StorageInfo)
         }
-        own_prefix = None if rank is None else f"__{rank}_"
-        try:
-            names = os.listdir(self.path)
-        except OSError:
-            return
-        for name in names:
-            stale_data = layout.is_data_file(name) and name not in keep
-            if own_prefix is not None and not name.startswith(own_prefix):
-                stale_data = False
-            stale_tmp = rank is None and layout.is_metadata_temp(name)
-            if stale_data or stale_tmp:
-                try:
-                    os.unlink(self.path / name)
-                except OSError as exc:
-                    warnings.warn(f"could not remove stale file {name}: {exc}", stacklevel=2)
+        reclaim_orphans(
+            self.path,
+            own_token="-",
+            rank_prefix=self._own_prefix(),
+            referenced=keep,
+            foreign_data=True,
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -360,8 +462,7 @@ class FileSystemReader(_AtPath, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         name = layout.rank_metadata_name(kwargs.get("rank"))
-        with open(self.path / name, "rb") as f:
-            data = f.read()
+        data = read_metadata_file(self.path / name)  # bounded, regular file only (FMT-10)
         metadata = load_metadata(data, file=str(self.path / name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -397,10 +498,12 @@ class FileSystemReader(_AtPath, StorageReader):
             per_file.setdefault(info.relative_path, []).append((info.offset, req, info))
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
-            fd = os.open(self.path / relative_path, os.O_RDONLY)
+            check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
+            fd = open_data_file(self.path, relative_path)  # STORE-27: regular files only
             try:
                 size = os.fstat(fd).st_size
                 for offset, req, info in reqs:
+                    self._check_chunk_fits(req, info, relative_path)
                     if offset + info.length > size:
                         raise CorruptionError(
                             f"data file truncated ({size} bytes, item needs {offset + info.length})",
@@ -415,6 +518,25 @@ class FileSystemReader(_AtPath, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _check_chunk_fits(self, req: ReadItem, info: Any, relative_path: str) -> None:
+        """Refuse a chunk whose stated shape needs more bytes than its stored length,
+        before allocating anything for it (STORE-28)."""
+        if req.type == LoadItemType.BYTE_IO or self._chunks is None:
+            return
+        chunk = self._chunks.lookup(req.storage_index)
+        data_offset = data_offset_of(info)
+        if chunk is None or data_offset is None:
+            return
+        dtype, sizes = chunk
+        need = data_offset + math.prod(sizes) * dtype.itemsize
+        if need > info.length:
+            raise CorruptionError(
+                f"chunk of shape {list(sizes)} needs {need} bytes but the item is {info.length}",
+                fqn=req.storage_index.fqn,
+                file=relative_path,
+                offset=info.offset,
+            )
 
     def _read_item(
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner

@@ -11,7 +11,10 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 __all__ = [
     "METADATA_NAME",
+    "SavePrefix",
     "assign_rank_prefixes",
+    "with_save_token",
+    "plan_token",
     "plan_prefix",
     "rank_of_file",
     "rank_of_metadata",
@@ -84,3 +87,22 @@ def plan_prefix(plan: SavePlan) -> str:
     """The file prefix the global plan gave this rank (``__0_`` for a lone writer)."""
     data = plan.storage_data
     return data.prefix if isinstance(data, _StoragePrefix) else "__0_"
+
+
+@dataclasses.dataclass
+class SavePrefix(_StoragePrefix):
+    """torch's file prefix plus the coordinator's save token, so every rank's files
+    carry one token per save (STORE-30)."""
+
+    token: str = ""
+
+
+def with_save_token(plans: list[SavePlan], token: str) -> list[SavePlan]:
+    """Tag every plan's prefix with the save token (keeps torch's ``_StoragePrefix`` API)."""
+    return [dataclasses.replace(p, storage_data=SavePrefix(plan_prefix(p), token)) for p in plans]
+
+
+def plan_token(plan: SavePlan) -> str | None:
+    """The save token the coordinator gave this plan, if any."""
+    data = plan.storage_data
+    return data.token if isinstance(data, SavePrefix) and data.token else None

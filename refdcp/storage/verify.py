@@ -10,17 +10,27 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from refdcp.errors import RefdcpError
 from refdcp.storage import layout
 from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
     MissingChecksumError,
     UnsafeMetadataError,
+    UnsafePathError,
 )
 from refdcp.storage.items import verify_blob
-from refdcp.storage.safe_metadata import load_metadata
+from refdcp.storage.paths import open_data_file, pread_exact
+from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
 
-__all__ = ["Problem", "VerifyReport", "verify_checkpoint", "verify_files"]
+__all__ = [
+    "MetadataUnreadableError",
+    "Problem",
+    "VerifyReport",
+    "verify_checkpoint",
+    "verify_files",
+    "verify_ranges",
+]
 
 
 @dataclass(frozen=True)
@@ -56,10 +66,26 @@ class VerifyReport:
         }
 
 
+#: ``read_range(name, offset, length)``: up to ``length`` bytes of file ``name`` at
+#: ``offset``; None when the file does not exist. Raises OSError when it cannot be
+#: read and UnsafePathError for a name or file refdcp refuses to read.
+ReadRange = Callable[[str, int, int], bytes | None]
+
+
 def verify_files(
     metadata_bytes: bytes | None, read_file: Callable[[str], bytes | None], path: str
 ) -> VerifyReport:
-    """Verify a checkpoint given its metadata bytes and a file reader (INTEG-6)."""
+    """Verify a checkpoint given its metadata bytes and a whole-file reader (INTEG-6)."""
+
+    def read_range(name: str, offset: int, length: int) -> bytes | None:
+        data = read_file(name)
+        return None if data is None else bytes(memoryview(data)[offset : offset + length])
+
+    return verify_ranges(metadata_bytes, read_range, path)
+
+
+def verify_ranges(metadata_bytes: bytes | None, read_range: ReadRange, path: str) -> VerifyReport:
+    """Verify a checkpoint reading each item's byte range only (INTEG-6, STORE-28)."""
     report = VerifyReport(path)
     if metadata_bytes is None:
         report.problems.append(
@@ -84,16 +110,26 @@ def verify_files(
             missing = fqn not in located_fqns
         if missing:
             report.problems.append(Problem(fqn, layout.METADATA_NAME, 0, "no storage location"))
-    cache: dict[str, bytes | None] = {}
-    for index, info in storage.items():
+    bad_files: dict[str, str] = {}
+    for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         name = info.relative_path
-        if name not in cache:
-            cache = {name: read_file(name)}
-        data = cache[name]
-        if data is None:
+        if name in bad_files:
+            report.problems.append(Problem(index.fqn, name, info.offset, bad_files[name]))
+            continue
+        try:
+            blob = read_range(name, info.offset, info.length)
+        except UnsafePathError as exc:
+            bad_files[name] = str(exc)
+            report.problems.append(Problem(index.fqn, name, info.offset, str(exc)))
+            continue
+        except OSError as exc:
+            bad_files[name] = f"data file cannot be read: {exc.strerror or exc}"
+            report.problems.append(Problem(index.fqn, name, info.offset, bad_files[name]))
+            continue
+        if blob is None:
+            bad_files[name] = "data file missing"
             report.problems.append(Problem(index.fqn, name, info.offset, "data file missing"))
             continue
-        blob = memoryview(data)[info.offset : info.offset + info.length]
         try:
             verify_blob(blob, info, index.fqn, name)
             report.items_checked += 1
@@ -104,14 +140,63 @@ def verify_files(
     return report
 
 
+class _FileRanges:
+    """Reads item ranges of a checkpoint directory: one open file at a time, regular
+    files only, never more than the stated length nor past the file's end (STORE-28)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.name: str | None = None
+        self.fd: int | None = None
+        self.size = 0
+
+    def __call__(self, name: str, offset: int, length: int) -> bytes | None:
+        if name != self.name:
+            self.close()
+            try:
+                self.fd = open_data_file(self.root, name)
+            except FileNotFoundError:
+                return None
+            self.name = name
+            self.size = os.fstat(self.fd).st_size
+        assert self.fd is not None
+        if offset >= self.size:
+            return b""
+        return pread_exact(self.fd, min(length, self.size - offset), offset)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd, self.name = None, None
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
-    """Verify every checksum of the filesystem checkpoint at ``path`` (INTEG-6)."""
+    """Verify every checksum of the filesystem checkpoint at ``path`` (INTEG-6).
+
+    A ``.metadata`` that exists but cannot be read (permission, not a regular
+    file, over the size limit) raises ``MetadataUnreadableError`` naming the
+    file and the cause; a missing one is reported as "not committed" (TOOL-13).
+    """
     root = Path(path)
+    if not root.is_dir():
+        raise MetadataUnreadableError(f"{root}: not a checkpoint directory")
+    meta_path = root / layout.METADATA_NAME
+    try:
+        metadata_bytes: bytes | None = read_metadata_file(meta_path)
+    except FileNotFoundError:
+        metadata_bytes = None
+    except UnsafeMetadataError as exc:
+        raise MetadataUnreadableError(str(exc)) from exc
+    except OSError as exc:
+        raise MetadataUnreadableError(
+            f"{meta_path}: cannot be read: {exc.strerror or exc}"
+        ) from exc
+    ranges = _FileRanges(root)
+    try:
+        return verify_ranges(metadata_bytes, ranges, str(root))
+    finally:
+        ranges.close()
 
-    def read(name: str) -> bytes | None:
-        try:
-            return (root / name).read_bytes()
-        except OSError:
-            return None
 
-    return verify_files(read(layout.METADATA_NAME), read, str(root))
+class MetadataUnreadableError(RefdcpError):
+    """``.metadata`` exists but cannot be read; nothing could be verified (TOOL-13)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -111,7 +112,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes are documented in spec/tooling.md (TOOL-12)."""
     args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print(f"refdcp {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("REFDCP_DEBUG"):
+            raise
+        where = getattr(args, "path", None) or getattr(args, "target", None) or ""
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"refdcp {args.command}: {where}{': ' if where else ''}{text}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         from refdcp.tools.inspect import inspect_command
 

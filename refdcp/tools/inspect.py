@@ -38,13 +38,28 @@ class MetadataLoadError(RuntimeError):
 
 def load_metadata_safely(path: str | os.PathLike[str]) -> Metadata:
     """Unpickle a metadata file without executing code from it (TOOL-7)."""
-    from refdcp.storage.safe_metadata import load_metadata
+    return _load_metadata_bytes(path)[0]
 
-    data = Path(path).read_bytes()
+
+def _load_metadata_bytes(path: str | os.PathLike[str]) -> tuple[Metadata, bytes]:
+    """The metadata and its bytes; any failure is a one-line ``MetadataLoadError`` (TOOL-12)."""
+    from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
+
     try:
-        return load_metadata(data, file=str(path))
+        data = read_metadata_file(path)
+    except OSError as exc:
+        raise MetadataLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    except Exception as exc:
+        raise MetadataLoadError(f"{path}: cannot be read: {exc}") from exc
+    try:
+        return load_metadata(data, file=str(path), filesystem=False), data
     except Exception as exc:
         raise MetadataLoadError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks folded, for one-line CLI errors (TOOL-12)."""
+    return " ".join(text.split())
 
 
 def _rank_of(relative_path: str) -> int | None:
@@ -159,8 +174,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{path} is not a checkpoint directory")
-    names = sorted(e.name for e in os.scandir(root) if e.is_file())
-    committed = METADATA_FILE in names
+    entries = list(os.scandir(root))
+    names = sorted(e.name for e in entries if e.is_file())
+    # present in any form counts: an unreadable .metadata is an error, not "uncommitted" (TOOL-13)
+    committed = any(e.name == METADATA_FILE for e in entries)
     report: dict[str, Any] = {
         "path": str(path),
         "committed": committed,
@@ -177,10 +194,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
     referenced: set[str] = {METADATA_FILE} if committed else set()
     if committed:
-        md = load_metadata_safely(root / METADATA_FILE)
+        md, data = _load_metadata_bytes(root / METADATA_FILE)
         report["format_version"] = md.version
         report["refdcp_format"] = getattr(md, FORMAT_ATTR, None)
-        tail = (root / METADATA_FILE).read_bytes()[-64:]
+        tail = data[-64:]
         report["metadata_checksum"] = has_checksum_trailer(tail)
         sm = md.storage_meta
         if sm is not None:
@@ -271,11 +288,15 @@ def _fmt_loc(c: dict[str, Any]) -> str:
 
 
 def inspect_command(path: str, *, as_json: bool) -> int:
-    """CLI entry: print the report; 0 when committed, 1 when not, 2 on error (TOOL-8)."""
+    """CLI entry: print the report; 0 when committed, 1 when not, 2 on error (TOOL-8, TOOL-12)."""
     try:
         report = inspect_checkpoint(path)
-    except (OSError, MetadataLoadError) as exc:
-        print(f"refdcp inspect: {exc}", file=sys.stderr)
+    except OSError as exc:
+        where = exc.filename if exc.filename else path
+        print(f"refdcp inspect: {where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except MetadataLoadError as exc:
+        print(f"refdcp inspect: {one_line(str(exc))}", file=sys.stderr)
         return 2
     if as_json:
         sys.stdout.write(json.dumps(report, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,255 @@
+"""The save lock of a checkpoint directory (STORE-29, STORE-30).
+
+A save's coordinator holds ``.metadata.lock`` (``__{rank}.metadata.lock`` for
+a rank-local save) from set-up until its commit or failure. The lock file
+appears atomically, already locked and filled in: it is written under a
+private name, ``flock``-ed, then hard-linked to the lock name (``link`` fails
+with ``EEXIST`` like ``O_CREAT|O_EXCL``; where hard links are unsupported,
+``O_CREAT|O_EXCL`` is used directly). It records the holder's pid, host, boot
+id, start time and save token.
+
+Stale-lock rule (survives SIGKILL): the holder keeps an exclusive ``flock``
+on the open file for the whole save, and the kernel drops it when the holder
+dies. A lock file whose ``flock`` can be taken is stale and is taken over in
+place. Where ``flock`` is unsupported, a lock is stale only when it names this
+host and boot and its pid is no longer alive; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from refdcp.storage.errors import ConcurrentSaveError
+
+__all__ = ["SaveLock", "acquire_save_lock", "live_lock_tokens", "lock_name"]
+
+LOCK_SUFFIX = ".lock"
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
+
+
+def lock_name(metadata_name: str) -> str:
+    """``.metadata.lock`` for ``.metadata``; ``__3.metadata.lock`` for ``__3.metadata``."""
+    return metadata_name + LOCK_SUFFIX
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _describe(info: dict[str, Any]) -> str:
+    if not info:
+        return "holder unknown (lock file empty or unreadable)"
+    return (
+        f"pid {info.get('pid')} on host {info.get('host')!r}, save token {info.get('token')!r}, "
+        f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(float(info.get('start', 0))))} UTC"
+    )
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        info = json.loads(raw.decode("utf-8")) if raw else {}
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclass
+class SaveLock:
+    """A held save lock; ``release()`` removes it (idempotent)."""
+
+    path: Path
+    fd: int | None
+    token: str
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            st = os.stat(self.path)
+            mine = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(self.path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+
+def _payload(token: str) -> bytes:
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "boot_id": _boot_id(),
+        "start": time.time(),
+        "token": token,
+    }
+    return (json.dumps(info) + "\n").encode()
+
+
+def _flock(fd: int) -> bool | None:
+    """True: locked; False: held by someone else; None: flock unsupported here."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in _NO_FLOCK:
+            return None
+        raise
+
+
+def _create(path: Path, token: str) -> int | None:
+    """Make ``path`` appear atomically, locked and filled; None when it already exists."""
+    private = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.new")
+    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _flock(fd)
+        os.write(fd, _payload(token))
+        try:
+            os.link(private, path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+                raise
+            os.close(fd)
+            return _create_excl(path, token)
+        return fd
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    finally:
+        private.unlink(missing_ok=True)
+
+
+def _create_excl(path: Path, token: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return None
+    _flock(fd)
+    os.write(fd, _payload(token))
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def acquire_save_lock(root: Path, metadata_name: str, token: str) -> SaveLock:
+    """Take the save lock of ``root`` or raise ``ConcurrentSaveError`` naming the holder (STORE-29)."""
+    path = root / lock_name(metadata_name)
+    for _ in range(100):
+        fd = _create(path, token)
+        if fd is not None:
+            return SaveLock(path, fd, token)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # released meanwhile: try to create it again
+        try:
+            got = _flock(fd)
+            if got is False:
+                raise ConcurrentSaveError(
+                    f"another save into {root} is in progress ({_describe(_read_info(fd))}); "
+                    f"this save was refused before writing anything (lock file {path})"
+                )
+            if not _same_file(fd, path):
+                os.close(fd)
+                continue  # the holder released it between our open and flock: start over
+            if got is None and not _stale_without_flock(_read_info(fd)):
+                raise ConcurrentSaveError(
+                    f"{path} is held ({_describe(_read_info(fd))}) and this filesystem has no "
+                    "flock to tell whether the holder is alive; remove the lock file if no save "
+                    "is running"
+                )
+            # stale: the holder died (its flock went with it); take the lock over in place
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _payload(token), 0)
+            return SaveLock(path, fd, token)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+    raise ConcurrentSaveError(f"could not take {path}: it kept changing hands")
+
+
+def _stale_without_flock(info: dict[str, Any]) -> bool:
+    pid = info.get("pid")
+    return (
+        isinstance(pid, int)
+        and info.get("host") == socket.gethostname()
+        and info.get("boot_id") == _boot_id()
+        and not _pid_alive(pid)
+    )
+
+
+def live_lock_tokens(root: Path) -> set[str] | None:
+    """Tokens of the saves holding a lock in ``root`` now; None when that cannot be told.
+
+    A lock is live when its ``flock`` is held; it is probed with a shared
+    ``flock``, so probing never blocks or steals a lock (STORE-31).
+    """
+    tokens: set[str] = set()
+    try:
+        names = [n for n in os.listdir(root) if n.endswith(LOCK_SUFFIX)]
+    except OSError:
+        return None
+    for name in names:
+        try:
+            fd = os.open(root / name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                token = _read_info(fd).get("token")
+                if not isinstance(token, str):
+                    return None  # a live save whose files we cannot tell apart
+                tokens.add(token)
+            except OSError:
+                return None
+        finally:
+            os.close(fd)
+    return tokens
