@@ -358,6 +358,50 @@ def test_every_dtype_of_torch_reads_in_place(
     assert compare(sd, out) == []
 
 
+@pytest.mark.spec("STORE-40", "STORE-16")
+def test_partial_read_of_a_large_torch_item_reads_only_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    full = torch.arange(1024 * 512, dtype=torch.float32).reshape(1024, 512)  # 2 MiB
+    dcp.save({"t": full}, storage_writer=dcp.FileSystemWriter(tmp_path))
+    reads: list[int] = []
+    real_read = fs_mod._read_exact
+
+    def spy(fd: int, view: memoryview, *a: Any) -> None:
+        reads.append(len(view))
+        real_read(fd, view, *a)
+
+    monkeypatch.setattr(fs_mod, "_read_exact", spy)
+    r = FileSystemReader(tmp_path)
+    r.set_up_storage_reader(r.read_metadata(), True)
+    got: dict[str, torch.Tensor] = {}
+
+    class P(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            got["dst"] = torch.zeros(10, 6)
+            return got["dst"]
+
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            got["committed"] = tensor
+
+    index = MetadataIndex("t", [0, 0])
+    item = ReadItem(
+        LoadItemType.TENSOR,
+        index,
+        torch.Size([0, 0]),
+        index,
+        torch.Size([300, 7]),
+        torch.Size([10, 6]),
+    )
+    r.read_data(LoadPlan([item]), P()).wait()
+    assert torch.equal(got["committed"], full[300:310, 7:13])
+    assert reads == [10 * 512 * 4]  # only the ten rows, straight from the file
+
+
 # -- a tensor just over 4 GiB, for real (make test-thorough) ----------------------------------
 
 _CHUNK = 16 << 20
