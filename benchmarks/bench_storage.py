@@ -5,9 +5,13 @@ imported torch) so peak RSS is per run.  Implementations alternate within a
 workload; the page cache is warmed (files read once) before each load trial.
 Reported per workload: median save and load seconds for both, the
 torch/refdcp ratio, the storage-phase times (``write_data`` / ``read_data``
-only), and extra peak RSS as a fraction of the state size.  Also measured in
-the same run: raw disk write bandwidth with fsync and page-cache read
-bandwidth.
+only), and extra peak RSS as a fraction of the state size: the peak resident
+size during the call (``VmHWM``, reset just before it) minus the resident
+size just before it.  Also measured in the same run: raw disk write bandwidth
+with fsync and page-cache read bandwidth.  The last row is one uint8 tensor of
+4 GiB + 16 KiB (zip64, FMT-20), ``--large-trials`` times, its save throughput
+compared with a raw write+fsync of the same size measured alternately just before
+and just after each save.
 
 Run: ``.venv/bin/python -m benchmarks.bench_storage [--trials N] [--only NAME]``.
 """
@@ -31,11 +35,16 @@ WORKLOADS: dict[str, tuple[int, int]] = {  # name -> (count, bytes each)
     "1,000 x 1 MiB": (1000, MiB),
     "20,000 x 4 KiB": (20_000, 4096),
 }
+#: One uint8 tensor past the 4 GiB zip64 boundary (FMT-20, FMT-21); ``--large-trials`` trials.
+OVER_4GIB = "over 4 GiB: 1 x (4 GiB + 16 KiB) uint8"
+OVER_4GIB_BYTES = (4 << 30) + (16 << 10)
 
 
 def _state(count: int, nbytes: int, fill: bool) -> dict[str, Any]:
     import torch
 
+    if nbytes == OVER_4GIB_BYTES:  # resident before the call: filled either way
+        return {"t0": torch.full((nbytes,), 90 if fill else 0, dtype=torch.uint8)}
     n = nbytes // 4
     if fill:
         return {f"t{i}": torch.full((n,), float(i), dtype=torch.float32) for i in range(count)}
@@ -44,6 +53,25 @@ def _state(count: int, nbytes: int, fill: bool) -> dict[str, Any]:
 
 def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_now_and_reset_peak() -> int | None:
+    """Resident size now, after resetting the kernel's peak (VmHWM); None where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def _peak_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _classes(impl: str) -> tuple[Any, Any]:
@@ -91,6 +119,7 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
                 while f.read(64 * MiB):
                     pass
     base = _maxrss()
+    now = _rss_now_and_reset_peak()  # extra peak = peak during the call - resident before it
     if op == "save":
         w = writer_cls(path, sync_files=True)
         w.write_data = _phase_timed(w.write_data, phase)
@@ -102,11 +131,16 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
         t0 = time.perf_counter()
         load_fn(sd, storage_reader=r, no_dist=True)
     elapsed = time.perf_counter() - t0
-    if op == "load":
+    extra = _maxrss() - base if now is None else _peak_since_reset() - now
+    if op == "load" and nbytes == OVER_4GIB_BYTES:
+        v = sd["t0"]
+        if not bool((v[:: 1 << 20] == 90).all()) or int(v[-1]) != 90:
+            raise RuntimeError(f"{impl} load returned wrong data for the > 4 GiB tensor")
+    elif op == "load":
         bad = [k for i, (k, v) in enumerate(sd.items()) if float(v[0]) != float(int(k[1:]))]
         if bad:
             raise RuntimeError(f"{impl} load returned wrong data for {bad[:3]}")
-    out.put((elapsed, phase[0], _maxrss() - base))
+    out.put((elapsed, phase[0], extra))
 
 
 def _run(ctx: Any, *args: Any) -> tuple[float, float, int]:
@@ -120,21 +154,25 @@ def _run(ctx: Any, *args: Any) -> tuple[float, float, int]:
     return result  # type: ignore[no-any-return]
 
 
-def _raw_trial(root: str, out: Any) -> None:
-    out.put(raw_bandwidth(root))
+def _raw_trial(root: str, out: Any, nbytes: int = 1024 * MiB, read: bool = True) -> None:
+    out.put(raw_bandwidth(root, nbytes, read))
 
 
-def raw_bandwidth(root: str, nbytes: int = 1024 * MiB) -> tuple[float, float]:
-    """(disk write GiB/s with fsync, page-cache read GiB/s) for one file of ``nbytes``."""
+def raw_bandwidth(root: str, nbytes: int = 1024 * MiB, read: bool = True) -> tuple[float, float]:
+    """(disk write GiB/s with fsync, page-cache read GiB/s, or 0 when not ``read``) for one file."""
     buf = bytearray(os.urandom(64 * MiB))
     path = os.path.join(root, "raw.bin")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     t0 = time.perf_counter()
     for _ in range(nbytes // len(buf)):
         os.write(fd, buf)
+    os.write(fd, buf[: nbytes % len(buf)])
     os.fsync(fd)
     os.close(fd)
     write_s = time.perf_counter() - t0
+    if not read:
+        os.unlink(path)
+        return nbytes / (1 << 30) / write_s, 0.0
     dest = bytearray(nbytes)
     view = memoryview(dest)
     with open(path, "rb", buffering=0) as f:
@@ -150,11 +188,29 @@ def raw_bandwidth(root: str, nbytes: int = 1024 * MiB) -> tuple[float, float]:
     return gib / write_s, gib / read_s
 
 
+def _row(name: str, size: int, res: dict[tuple[str, str], list[tuple[float, float, int]]]) -> None:
+    for op in ("save", "load"):
+        t = [statistics.median(r[0] for r in res[(i, op)]) for i in ("torch", "refdcp")]
+        ph = [statistics.median(r[1] for r in res[(i, op)]) for i in ("torch", "refdcp")]
+        rss = [statistics.median(r[2] for r in res[(i, op)]) / size for i in ("torch", "refdcp")]
+        print(
+            f"| {name} | {op} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / t[1]:.2f}x | {ph[0]:.3f} |"
+            f" {ph[1]:.3f} | {size / t[1] / (1 << 30):.2f} | {rss[0]:.3f} | {rss[1]:.3f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--only", default=None, help="run only workloads whose name contains this")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
+    parser.add_argument(
+        "--large-trials",
+        type=int,
+        default=1,
+        help="trials of the > 4 GiB row (0 skips it; it needs about 9 GiB of free memory)",
+    )
     parser.add_argument(
         "--driver",
         choices=["torch", "refdcp"],
@@ -168,49 +224,66 @@ def main(argv: list[str] | None = None) -> int:
     try:
         raws: list[tuple[float, float]] = []
 
-        def raw() -> None:
+        def raw(nbytes: int = 1024 * MiB, read: bool = True) -> tuple[float, float]:
             q = ctx.Queue()
-            p = ctx.Process(target=_raw_trial, args=(root, q))
+            p = ctx.Process(target=_raw_trial, args=(root, q, nbytes, read))
             p.start()
-            raws.append(q.get(timeout=600))
+            got: tuple[float, float] = q.get(timeout=600)
             p.join(60)
+            return got
 
-        raw()
+        def trials(name: str, count: int, nbytes: int, n: int) -> None:
+            res: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+            for trial in range(n):
+                order = ["torch", "refdcp"] if trial % 2 == 0 else ["refdcp", "torch"]
+                # the disk and page cache, measured between the trials they bound
+                raws.append(raw())
+                for impl in order:
+                    path = os.path.join(root, f"{impl}")
+                    shutil.rmtree(path, ignore_errors=True)
+                    # the > 4 GiB save is paired with a raw write+fsync of the same size,
+                    # alternately just before and just after it (the disk is shared and noisy)
+                    pair = nbytes == OVER_4GIB_BYTES
+                    if pair and trial % 2 == 0:
+                        paired.setdefault(impl, []).append(raw(nbytes, read=False)[0])
+                    res.setdefault((impl, "save"), []).append(
+                        _run(ctx, impl, "save", path, count, nbytes, args.driver)
+                    )
+                    if pair and trial % 2 == 1:
+                        paired.setdefault(impl, []).append(raw(nbytes, read=False)[0])
+                    res.setdefault((impl, "load"), []).append(
+                        _run(ctx, impl, "load", path, count, nbytes, args.driver)
+                    )
+                    shutil.rmtree(path, ignore_errors=True)
+            _row(name, count * nbytes, res)
+            if nbytes == OVER_4GIB_BYTES:
+                gib = nbytes / (1 << 30)
+                for impl in ("refdcp", "torch"):
+                    rates = [gib / r[1] for r in res[(impl, "save")]]
+                    ratios = [r / w for r, w in zip(rates, paired[impl])]
+                    print(
+                        f"  > 4 GiB {impl} save (write_data incl. fsync) vs a raw write+fsync of"
+                        f" the same size just before (even trials) or after (odd) it: "
+                        + ", ".join(f"{r:.3f}/{w:.3f} GiB/s" for r, w in zip(rates, paired[impl]))
+                        + f"; median ratio {statistics.median(ratios):.2f}"
+                        + (" (target >= 0.95)" if impl == "refdcp" else ""),
+                        flush=True,
+                    )
+
+        raws.append(raw())
         print(f"driver: {args.driver}.save/load; sync_files=True; {args.trials} trial(s) per cell")
         print(
             "| workload | op | torch s | refdcp s | speed-up | torch phase s | refdcp phase s |"
             " refdcp GiB/s | torch extra RSS | refdcp extra RSS |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
+        paired: dict[str, list[float]] = {}
         for name, (count, nbytes) in WORKLOADS.items():
             if args.only and args.only not in name:
                 continue
-            size = count * nbytes
-            res: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
-            for trial in range(args.trials):
-                order = ["torch", "refdcp"] if trial % 2 == 0 else ["refdcp", "torch"]
-                raw()  # the disk and page cache, measured between the trials they bound
-                for impl in order:
-                    path = os.path.join(root, f"{impl}")
-                    shutil.rmtree(path, ignore_errors=True)
-                    res.setdefault((impl, "save"), []).append(
-                        _run(ctx, impl, "save", path, count, nbytes, args.driver)
-                    )
-                    res.setdefault((impl, "load"), []).append(
-                        _run(ctx, impl, "load", path, count, nbytes, args.driver)
-                    )
-                    shutil.rmtree(path, ignore_errors=True)
-            for op in ("save", "load"):
-                t = [statistics.median(r[0] for r in res[(i, op)]) for i in ("torch", "refdcp")]
-                ph = [statistics.median(r[1] for r in res[(i, op)]) for i in ("torch", "refdcp")]
-                rss = [
-                    statistics.median(r[2] for r in res[(i, op)]) / size
-                    for i in ("torch", "refdcp")
-                ]
-                print(
-                    f"| {name} | {op} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / t[1]:.2f}x | {ph[0]:.3f} |"
-                    f" {ph[1]:.3f} | {size / t[1] / (1 << 30):.2f} | {rss[0]:.3f} | {rss[1]:.3f} |"
-                )
+            trials(name, count, nbytes, args.trials)
+        if args.large_trials > 0 and (not args.only or args.only in OVER_4GIB):
+            trials(OVER_4GIB, 1, OVER_4GIB_BYTES, args.large_trials)
         w = statistics.median(r[0] for r in raws)
         rd = statistics.median(r[1] for r in raws)
         print(

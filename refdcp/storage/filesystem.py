@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo, _StoragePrefix
@@ -41,10 +41,13 @@ from refdcp.storage.cleanup import (
     wait_until_not_live,
 )
 from refdcp.storage.commit_mark import mark as mark_commit
-from refdcp.storage.errors import CheckpointExistsError, CorruptionError
+from refdcp.storage.errors import CheckpointExistsError, CorruptionError, MissingChecksumError
+from refdcp.storage.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.items import (
+    INPLACE_MIN_BYTES,
     ChunkIndex,
     Encoded,
+    checksum_of,
     copy_into_destination,
     data_offset_of,
     encode_bytes,
@@ -542,7 +545,14 @@ class FileSystemReader(_AtPath, StorageReader):
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner
     ) -> None:
         fqn = req.storage_index.fqn
-        if req.type == LoadItemType.BYTE_IO or self.verify or data_offset_of(info) is None:
+        start = None if req.type == LoadItemType.BYTE_IO else self._data_start(fd, req, info)
+        large = info.length >= INPLACE_MIN_BYTES and req.type != LoadItemType.BYTE_IO
+        if large and self.verify:
+            self._verify_streaming(fd, relative_path, fqn, info)
+        if start is None and large:
+            self._load_streaming(fd, relative_path, req, info, planner)
+            return
+        if start is None or (self.verify and not large):
             blob = bytearray(info.length)
             got = _pread_into(fd, memoryview(blob), info.offset)
             if self.verify:
@@ -564,7 +574,6 @@ class FileSystemReader(_AtPath, StorageReader):
         if chunk is None:
             raise RefdcpError(f"{fqn}: chunk {req.storage_index.offset} is not in the metadata")
         dtype, sizes = chunk
-        start = info.offset + (data_offset_of(info) or 0)
         if whole_chunk(req, sizes):
             target = planner.resolve_tensor(req).detach()
             if (
@@ -593,6 +602,41 @@ class FileSystemReader(_AtPath, StorageReader):
         _read_exact(fd, raw_view(rows), start + first * row_bytes, fqn, relative_path)
         offsets = torch.Size((0, *req.storage_offsets[1:]))
         copy_into_destination(planner, req, narrow(rows, offsets, req.lengths))
+
+    def _data_start(self, fd: int, req: ReadItem, info: Any) -> int | None:
+        """File offset of a tensor item's elements when they can be read in place (STORE-11, STORE-40)."""
+        offset = data_offset_of(info)
+        if offset is not None:
+            return int(info.offset + offset)
+        chunk = None if self._chunks is None else self._chunks.lookup(req.storage_index)
+        if chunk is None or info.length < INPLACE_MIN_BYTES:
+            return None
+        found = locate_tensor_data(fd, info.offset, info.length, chunk[0], chunk[1])
+        return None if found is None else int(info.offset + found)
+
+    def _verify_streaming(self, fd: int, relative_path: str, fqn: str, info: Any) -> None:
+        """Check a large item's CRC-32C in bounded memory before any of it is delivered (STORE-41)."""
+        expected = checksum_of(info)
+        if expected is None:
+            raise MissingChecksumError(
+                f"{fqn}: no checksum recorded in {relative_path} (not written by refdcp?)"
+            )
+        verify_streaming(fd, info.offset, info.length, expected, fqn, relative_path)
+
+    def _load_streaming(
+        self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner
+    ) -> None:
+        """A large item that cannot be read in place: torch.load of its byte range (STORE-42)."""
+        loaded = torch.load(
+            cast(IO[bytes], FileSlice(fd, info.offset, info.length)),
+            map_location="cpu",
+            weights_only=True,
+        )
+        if not isinstance(loaded, torch.Tensor):
+            raise RefdcpError(
+                f"{req.storage_index.fqn}: {relative_path} holds {type(loaded)}, not a tensor"
+            )
+        copy_into_destination(planner, req, narrow(loaded, req.storage_offsets, req.lengths))
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

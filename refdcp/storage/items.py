@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from refdcp.errors import RefdcpError
 from refdcp.storage.errors import CorruptionError, MissingChecksumError
 from refdcp.storage.tensor_values import bytes_are_values, values_tensor
-from refdcp.storage.zipframe import MAX_FRAMED_BYTES, frame_for
+from refdcp.storage.zipframe import frame_for, frame_records
 
 __all__ = [
     "CRC_ATTR",
     "DATA_OFFSET_ATTR",
+    "INPLACE_MIN_BYTES",
     "Encoded",
     "ChunkIndex",
     "checksum_of",
@@ -67,6 +68,10 @@ class Encoded:
         return self.crc
 
 
+#: Items at least this large are never held whole in memory on load: read in place, verified
+#: through a bounded buffer, or ``torch.load``-ed from their byte range (STORE-40..STORE-42).
+INPLACE_MIN_BYTES = 1 << 20
+
 _CRC_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="refdcp-crc")
 _ASYNC_CRC_BYTES = 8 << 20
 _CARRAYS: dict[int, Any] = {}
@@ -94,12 +99,17 @@ def _crc_tail(head_crc: int, data: memoryview, tail: bytes) -> int:
 
 
 def encode_tensor(tensor: torch.Tensor) -> Encoded:
-    """Frame a tensor as a torch.save archive around its raw bytes (FMT-3)."""
+    """Frame a tensor as a torch.save archive around its raw bytes (FMT-3, FMT-20, FMT-22).
+
+    Every size takes this path (zip64 records from 4 GiB on); the bytes are
+    written from the memory of the tensor's values (SAVE-10) and checksummed
+    while they are written.
+    """
     t = tensor if bytes_are_values(tensor) and tensor.is_cpu else values_tensor(tensor)  # SAVE-10
     if t.requires_grad:
         t = t.detach()
-    if t.layout != torch.strided or t.is_quantized or t.nbytes >= MAX_FRAMED_BYTES:
-        return _encode_with_torch_save(t)
+    if t.layout != torch.strided or t.is_quantized:
+        return _encode_with_torch_pickle(t)
     frame = frame_for(t.dtype, tuple(t.shape))
     data = raw_view(t)
     head, tail = frame.head, frame.tail
@@ -111,13 +121,26 @@ def encode_tensor(tensor: torch.Tensor) -> Encoded:
     return Encoded([head, data, tail], length, crc, len(head), t)
 
 
-def _encode_with_torch_save(t: torch.Tensor) -> Encoded:
-    if t.untyped_storage().nbytes() > t.nbytes:
-        t = t.clone()
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    view = buf.getbuffer()
-    return Encoded([view], len(view), crc32c.crc32c(view), None)
+def _crc_parts(parts: Sequence[Any]) -> int:
+    crc = 0
+    for part in parts:
+        crc = crc32c.crc32c(part, crc)
+    return int(crc)
+
+
+def _encode_with_torch_pickle(t: torch.Tensor) -> Encoded:
+    """Quantized and non-strided tensors: torch's pickling, storages from memory (FMT-22)."""
+    if t.layout == torch.strided:
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.untyped_storage().nbytes() > t.nbytes:
+            t = t.clone()  # a view stores only its own elements (FMT-4)
+    framed = frame_records(t)
+    keep = (t, framed.keepalive)
+    if framed.length >= _ASYNC_CRC_BYTES:
+        fut = _CRC_POOL.submit(_crc_parts, framed.parts)
+        return Encoded(framed.parts, framed.length, 0, None, keep, fut)
+    return Encoded(framed.parts, framed.length, _crc_parts(framed.parts), None, keep)
 
 
 def encode_bytes(data: io.BytesIO | bytes) -> Encoded:
