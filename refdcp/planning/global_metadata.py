@@ -70,10 +70,17 @@ def build_state_dict_metadata(
         elif len(ranks) > 1:
             problems.append(f"{fqn!r}: written as bytes by several ranks {ranks}")
         md[fqn] = BytesStorageMetadata()
+    props = _Interned()
+    sizes: dict[torch.Size, torch.Size] = {}
     for fqn, tds in groups.items():
         first = tds[0]
+        chunks = list(map(_chunk, tds))
+        size = sizes.setdefault(first.size, first.size)
+        for c in chunks:  # equal Size objects shared: pickled once (META-8)
+            c.offsets = sizes.setdefault(c.offsets, c.offsets)
+            c.sizes = sizes.setdefault(c.sizes, c.sizes)
         md[fqn] = TensorStorageMetadata(
-            properties=first.properties, size=first.size, chunks=list(map(_chunk, tds))
+            properties=props(first.properties), size=size, chunks=chunks
         )
     for fqn, (props, size) in (chunkless or {}).items():
         if fqn not in md:
@@ -96,6 +103,22 @@ def build_state_dict_metadata(
         entry = tensors[fqn]
         problems.extend(_check_chunks(fqn, entry, _ranks_of(plans, fqn, tensor=True)))
     return md, problems
+
+
+class _Interned:
+    """One ``TensorProperties`` object per distinct value (META-8).
+
+    ``pickle`` writes a shared object once and refers back to it, and
+    ``TensorProperties`` pickles through a Python ``__getstate__``: sharing
+    makes the ``.metadata`` of many small tensors smaller and faster to write.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, ...], TensorProperties] = {}
+
+    def __call__(self, p: TensorProperties) -> TensorProperties:
+        key = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+        return self._seen.setdefault(key, p)
 
 
 def _group(fqns: list[str], values: list[Any]) -> dict[str, list[Any]]:
