@@ -50,7 +50,7 @@ class _StatefulTensor(torch.Tensor):
         torch.ones(2).as_subclass(_StatefulTensor),
         object(),
     ],
-    ids=repr,
+    ids=lambda v: type(v).__name__,
 )
 def test_matches_torch_protocol(value: object) -> None:
     assert is_stateful(value) == isinstance(value, Stateful)

@@ -70,7 +70,7 @@ def build_state_dict_metadata(
         elif len(ranks) > 1:
             problems.append(f"{fqn!r}: written as bytes by several ranks {ranks}")
         md[fqn] = BytesStorageMetadata()
-    props = _Interned()
+    intern_props = _Interned()
     sizes: dict[torch.Size, torch.Size] = {}
     for fqn, tds in groups.items():
         first = tds[0]
@@ -80,7 +80,7 @@ def build_state_dict_metadata(
             c.offsets = sizes.setdefault(c.offsets, c.offsets)
             c.sizes = sizes.setdefault(c.sizes, c.sizes)
         md[fqn] = TensorStorageMetadata(
-            properties=props(first.properties), size=size, chunks=chunks
+            properties=intern_props(first.properties), size=size, chunks=chunks
         )
     for fqn, (props, size) in (chunkless or {}).items():
         if fqn not in md:
