@@ -75,8 +75,16 @@ class DefaultSavePlanner(SavePlanner):
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
 
+    def check_values(self) -> None:
+        """Refuse values that cannot be saved or never loaded with the defaults (SAVE-12).
+
+        A subclass whose state dict only stands in for values it streams itself
+        (``refdcp convert`` plans with meta placeholders) narrows this check.
+        """
+        refuse_unloadable(self.flat.items, self.safe_globals, self.flat.paths)
+
     def create_local_plan(self) -> SavePlan:
-        refuse_unloadable(self.flat.items, self.safe_globals, self.flat.paths)  # SAVE-12
+        self.check_values()
         items = save_items(self.flat.items)
         sums = replica_checksums(self.flat.items, items) if self.check_replicas else None
         data: dict[str, Any] = dict(self.flat.paths)

@@ -17,13 +17,14 @@ import stat
 from pathlib import Path
 
 from refdcp.storage.errors import UnsafePathError
+from refdcp.storage.layout import METADATA_NAME
 
 __all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact"]
 
 MAX_NAME_BYTES = 255
 
 
-def check_data_name(name: object, *, file: str = ".metadata", fqn: str | None = None) -> str:
+def check_data_name(name: object, *, file: str = METADATA_NAME, fqn: str | None = None) -> str:
     """``name`` if it is a plain file name, else raise ``UnsafePathError`` (STORE-26)."""
     who = f" (item {fqn!r})" if fqn is not None else ""
     if not isinstance(name, str):

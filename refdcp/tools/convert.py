@@ -55,6 +55,7 @@ from refdcp.planning.flatten import (
     flatten_state_dict,
     unflatten_state_dict,
 )
+from refdcp.storage import layout
 from refdcp.storage.errors import CorruptionError
 from refdcp.storage.items import (
     checksum_of,
@@ -218,13 +219,14 @@ class _DcpSource(_Source):
     """A DCP directory (torch's or refdcp's FileSystemWriter layout)."""
 
     def __init__(self, path: Path) -> None:
-        from refdcp.storage.safe_metadata import load_metadata
+        from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
 
         self.path = path
-        md_file = path / ".metadata"
+        md_file = path / layout.METADATA_NAME
         if not md_file.is_file():
-            raise ConvertError(f"{path}: no .metadata: not a committed DCP checkpoint")
-        self.metadata: Metadata = load_metadata(md_file.read_bytes(), file=str(md_file))
+            raise ConvertError(f"{path}: no {md_file.name}: not a committed DCP checkpoint")
+        # capped, regular-file-only read, then the checked unpickler (FMT-9, FMT-10)
+        self.metadata: Metadata = load_metadata(read_metadata_file(md_file), file=str(md_file))
         storage = self.metadata.storage_data
         if not isinstance(storage, Mapping):
             raise ConvertError(f"{path}: .metadata has no storage records")
@@ -256,7 +258,7 @@ class _DcpSource(_Source):
         info = self.storage.get(MetadataIndex(fqn, offset))
         if info is None:
             raise CorruptionError(
-                "no storage record for this item", fqn=fqn, file=".metadata", offset=0
+                "no storage record for this item", fqn=fqn, file=layout.METADATA_NAME, offset=0
             )
         if getattr(info, "transform_descriptors", None):
             raise ConvertError(
@@ -846,10 +848,17 @@ def _write_safetensors(
 
 def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
     from refdcp.planning import DefaultSavePlanner
-    from refdcp.storage import layout
+    from refdcp.planning.loadable import refuse_unloadable
     from refdcp.storage.filesystem import FileSystemWriter
 
-    planner = DefaultSavePlanner()
+    class PlaceholderPlanner(DefaultSavePlanner):
+        """Tensors are meta placeholders streamed from ``src``: only the other values are checked."""
+
+        def check_values(self) -> None:
+            others = {k: v for k, v in self.flat.items.items() if not isinstance(v, torch.Tensor)}
+            refuse_unloadable(others, self.safe_globals, self.flat.paths)
+
+    planner = PlaceholderPlanner()
     planner.set_up_planner(src.structure, is_coordinator=True)
     local = planner.create_local_plan()
     writer = FileSystemWriter(dst)
