@@ -358,12 +358,13 @@ def _codes(code: types.CodeType) -> list[types.CodeType]:
     return out
 
 
-def _rebind(changed: dict[int, Any]) -> None:
-    """Point every refdcp/tests/conformance global that held an old object at the new one."""
+def _rebind(changed: dict[int, Any], package: str) -> None:
+    """Point every global (in the mutated package, tests, conformance) that held an old
+    object at the new one."""
     if not changed:
         return
     for name, mod in list(sys.modules.items()):
-        if mod is None or not name.startswith(("refdcp", "tests", "conformance")):
+        if mod is None or not name.startswith((package, "tests", "conformance")):
             continue
         d = vars(mod)
         for k, v in list(d.items()):
@@ -377,11 +378,14 @@ def _reexec(module: types.ModuleType, tree: ast.Module, start: int, path: str) -
     d = vars(module)
     before = dict(d)
     exec(compile(ast.Module(body=stmts, type_ignores=[]), path, "exec"), d)
-    _rebind({id(before[k]): v for k, v in d.items() if k in before and before[k] is not v})
+    changed = {id(before[k]): v for k, v in d.items() if k in before and before[k] is not v}
+    _rebind(changed, module.__name__.split(".")[0])
 
 
-def patch(m: Mutant) -> None:
-    path = ROOT / m.file
+def patch(m: Mutant, root: Path = ROOT, targets: list[str] | None = None) -> None:
+    """Apply ``m`` to the imported module (HARN-2): swap the function's ``__code__``, or
+    re-execute the module-level assignments from the mutated one on."""
+    path = root / m.file
     module = importlib.import_module(_module_name(m.file))
     source = path.read_text(encoding="utf-8")
     tree = apply_mutant(source, m)
@@ -407,19 +411,41 @@ def patch(m: Mutant) -> None:
         raise LookupError(f"no function object for {m.scope} in {m.file}")
     # tables built at import by calling the patched function are rebuilt (protocol rows)
     name = m.scope.split(".")[-1]
-    for rel in TARGETS:
+    for rel in TARGETS if targets is None else targets:
         mod = sys.modules.get(_module_name(rel))
         if mod is None:
             continue
-        mtree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
+        mtree = ast.parse((root / rel).read_text(encoding="utf-8"))
         for i, st in enumerate(mtree.body):
             if isinstance(st, MODULE_STMTS) and any(
                 isinstance(n, ast.Call)
                 and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
                 for n in ast.walk(st)
             ):
-                _reexec(mod, mtree, i, str(ROOT / rel))
+                _reexec(mod, mtree, i, str(root / rel))
                 break
+
+
+def tests_for_mutant(
+    m: Mutant,
+    module_tests: list[str],
+    ids: set[str],
+    tests: dict[str, TestInfo],
+    hits: dict[str, list[str]],
+    durations: dict[str, float],
+) -> list[str]:
+    """The tests that judge ``m`` (HARN-3): those citing the module's IDs (``module_tests``)
+    that ran a line of the mutated node in the baseline (``hits``: line -> tests);
+    every one of them for a module-level mutant. Tests citing the mutated function's own
+    IDs run first, then the fastest, so ``-x`` stops early and credits the right requirement."""
+    pool = list(module_tests)
+    if not m.scope.startswith("<module>"):
+        ran: set[str] = set()
+        for ln in range(m.line, m.end_line + 1):
+            ran.update(hits.get(str(ln), ()))
+        pool = [t for t in pool if t in ran]
+    pool.sort(key=lambda t: (not (tests[t].ids & ids), durations.get(t, 0.0), t))
+    return pool
 
 
 # ---------------------------------------------------------------- the run
@@ -521,14 +547,14 @@ def main() -> int:
     for m in chosen:
         src, tree = sources[m.file], trees[m.file]
         ids = scope_ids(src, tree, m.scope, mod_ids[m.file], known)
-        pool = [t for t in selected[m.file] if t not in failing]
-        if not m.scope.startswith("<module>"):
-            fh = hits.get(str(ROOT / m.file), {})
-            ran = set()
-            for ln in range(m.line, m.end_line + 1):
-                ran.update(fh.get(str(ln), ()))
-            pool = [t for t in pool if t in ran]
-        pool.sort(key=lambda t: (not (tests[t].ids & ids), durations.get(t, 0.0)))
+        pool = tests_for_mutant(
+            m,
+            [t for t in selected[m.file] if t not in failing],
+            ids,
+            tests,
+            hits.get(str(ROOT / m.file), {}),
+            durations,
+        )
         rec = Record(m.id, m.file, m.line, m.op, m.description, m.scope, sorted(ids), len(pool), "")
         records.append(rec)
         if m.id in equivalent:
@@ -555,7 +581,8 @@ def main() -> int:
             rec.killed_by_ids = sorted(tests[rec.killed_by].ids) if rec.killed_by in tests else []
         done[0] += 1
         print(
-            f"  [{done[0]}/{len(job_list)}] {rec.status:<9} {rec.id} {rec.description}", flush=True
+            f"  [{done[0]}/{len(job_list)}] {rec.status:<9} {rec.seconds:5.1f}s {rec.id} {rec.description}",
+            flush=True,
         )
 
     run_jobs(job_list, jobs, keep)
