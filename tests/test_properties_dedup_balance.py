@@ -50,9 +50,7 @@ def check_dedup(plans: Sequence[Sequence[WriteItem]], res: DedupResult) -> None:
     for r, keys in mine.items():
         smallest = min(size[k] for k in keys)
         last = [k for k in keys if size[k] == smallest]
-        ok = [
-            k for k in last if all(final[r] - smallest <= final[h] for h in holders[k] if h != r)
-        ]
+        ok = [k for k in last if all(final[r] - smallest <= final[h] for h in holders[k] if h != r)]
         assert ok, (
             f"rank {r} ends with {final[r]} bytes; before its last replicated item "
             f"({smallest} bytes) it held {final[r] - smallest}, more than another holder of "

@@ -73,7 +73,9 @@ def check_provenance(
         ti, si = r.dest_index.index, r.storage_index.index
         assert ti is not None and si is not None
         assert tuple(r.dest_index.offset or ()) == targets[ti][0], "dest_index names another chunk"
-        assert tuple(r.storage_index.offset or ()) == saved[si][0], "storage_index names another chunk"
+        assert tuple(r.storage_index.offset or ()) == saved[si][0], (
+            "storage_index names another chunk"
+        )
         s_blk = region(src[si], r.storage_offsets, r.lengths)
         d_blk = region(dest[ti], r.dest_offsets, r.lengths)
         w_blk = region(writes[ti], r.dest_offsets, r.lengths)
@@ -111,7 +113,9 @@ def test_every_destination_byte_comes_from_the_saved_byte_at_its_global_index(
 @pytest.mark.spec("RESHARD-1", "RESHARD-2")
 def test_row_split_onto_column_split() -> None:
     # saved by rows (2 chunks), loaded by columns (3 chunks), and one long row chunk among short ones
-    check_provenance((4, 6), [((0, 0), (2, 6)), ((2, 0), (2, 6))], [((0, 0), (4, 2)), ((0, 2), (4, 4))])
+    check_provenance(
+        (4, 6), [((0, 0), (2, 6)), ((2, 0), (2, 6))], [((0, 0), (4, 2)), ((0, 2), (4, 4))]
+    )
     saved = [((0, 0), (1, 6))] + [((1, c), (3, 1)) for c in range(6)]
     check_provenance((4, 6), saved, [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 6))])
 
@@ -128,7 +132,9 @@ def test_shifted_destination_row_is_caught() -> None:
     shape, saved, targets = (4, 3), [((0, 0), (2, 3)), ((2, 0), (2, 3))], [((0, 0), (4, 3))]
     check_provenance(shape, saved, targets)  # the real planner passes
 
-    def shifted(fqn: str, md: TensorStorageMetadata, t: Sequence[ChunkStorageMetadata]) -> list[ReadItem]:
+    def shifted(
+        fqn: str, md: TensorStorageMetadata, t: Sequence[ChunkStorageMetadata]
+    ) -> list[ReadItem]:
         reads = read_items_for_chunks(fqn, md, t)
         r = reads[-1]  # the second saved chunk's rows land one row too high
         reads[-1] = resharding._read(
@@ -148,16 +154,32 @@ def test_shifted_destination_row_is_caught() -> None:
     # and one shifted by a whole row inside its own range: values wrong, coverage right
     one = [((0, 0), (1, 3)), ((1, 0), (1, 3)), ((2, 0), (2, 3))]
 
-    def swapped(fqn: str, md: TensorStorageMetadata, t: Sequence[ChunkStorageMetadata]) -> list[ReadItem]:
+    def swapped(
+        fqn: str, md: TensorStorageMetadata, t: Sequence[ChunkStorageMetadata]
+    ) -> list[ReadItem]:
         reads = read_items_for_chunks(fqn, md, t)
         a, b = reads[0], reads[1]  # rows 0 and 1 trade destinations
         return [
-            resharding._read(fqn, a.dest_index.offset or (), 0, a.storage_index.offset or (),
-                             a.storage_index.index or 0, list(b.dest_offsets), list(a.storage_offsets),
-                             list(a.lengths)),
-            resharding._read(fqn, b.dest_index.offset or (), 0, b.storage_index.offset or (),
-                             b.storage_index.index or 0, list(a.dest_offsets), list(b.storage_offsets),
-                             list(b.lengths)),
+            resharding._read(
+                fqn,
+                a.dest_index.offset or (),
+                0,
+                a.storage_index.offset or (),
+                a.storage_index.index or 0,
+                list(b.dest_offsets),
+                list(a.storage_offsets),
+                list(a.lengths),
+            ),
+            resharding._read(
+                fqn,
+                b.dest_index.offset or (),
+                0,
+                b.storage_index.offset or (),
+                b.storage_index.index or 0,
+                list(a.dest_offsets),
+                list(b.storage_offsets),
+                list(b.lengths),
+            ),
             *reads[2:],
         ]
 
