@@ -409,21 +409,59 @@ def patch(m: Mutant, root: Path = ROOT, targets: list[str] | None = None) -> Non
                 done += 1
     if not done:
         raise LookupError(f"no function object for {m.scope} in {m.file}")
-    # tables built at import by calling the patched function are rebuilt (protocol rows)
-    name = m.scope.split(".")[-1]
-    for rel in TARGETS if targets is None else targets:
+    # tables built at import through the patched function are rebuilt (protocol rows)
+    for rel, i in import_time_uses(m, root, TARGETS if targets is None else targets):
         mod = sys.modules.get(_module_name(rel))
-        if mod is None:
-            continue
+        if mod is not None:
+            _reexec(mod, ast.parse((root / rel).read_text(encoding="utf-8")), i, str(root / rel))
+
+
+def _called_names(node: ast.AST) -> set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            name = getattr(n.func, "id", None) or getattr(n.func, "attr", None)
+            if name:
+                out.add(name)
+    return out
+
+
+def import_time_uses(m: Mutant, root: Path, targets: list[str]) -> list[tuple[str, int]]:
+    """(module, first statement) of module-level assignments that run ``m``'s function at
+    import, directly or through functions, methods or classes that call it."""
+    if m.scope.startswith("<module>"):
+        return []
+    tree = ast.parse((root / m.file).read_text(encoding="utf-8"))
+    parts = m.scope.split(".")
+    names = {parts[-1]}
+    if len(parts) > 1 and parts[-1] in ("__init__", "__post_init__", "__new__"):
+        names.add(parts[-2])
+    callers: list[tuple[set[str], set[str]]] = []  # (names it stands for, names it calls)
+    for st in tree.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            callers.append(({st.name}, _called_names(st)))
+        elif isinstance(st, ast.ClassDef):
+            for sub in st.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    ctor = sub.name in ("__init__", "__post_init__", "__new__")
+                    callers.append(
+                        ({sub.name, st.name} if ctor else {sub.name}, _called_names(sub))
+                    )
+    grew = True
+    while grew:
+        grew = False
+        for stands_for, calls in callers:
+            if calls & names and not stands_for <= names:
+                names |= stands_for
+                grew = True
+    out = []
+    for rel in targets:
         mtree = ast.parse((root / rel).read_text(encoding="utf-8"))
         for i, st in enumerate(mtree.body):
-            if isinstance(st, MODULE_STMTS) and any(
-                isinstance(n, ast.Call)
-                and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
-                for n in ast.walk(st)
-            ):
-                _reexec(mod, mtree, i, str(root / rel))
+            if isinstance(st, MODULE_STMTS) and _called_names(st) & names:
+                out.append((rel, i))
                 break
+    return out
 
 
 def tests_for_mutant(
@@ -433,13 +471,14 @@ def tests_for_mutant(
     tests: dict[str, TestInfo],
     hits: dict[str, list[str]],
     durations: dict[str, float],
+    import_time: bool = False,
 ) -> list[str]:
     """The tests that judge ``m`` (HARN-3): those citing the module's IDs (``module_tests``)
     that ran a line of the mutated node in the baseline (``hits``: line -> tests);
-    every one of them for a module-level mutant. Tests citing the mutated function's own
+    every one of them for a module-level mutant or one whose function runs at import. Tests citing the mutated function's own
     IDs run first, then the fastest, so ``-x`` stops early and credits the right requirement."""
     pool = list(module_tests)
-    if not m.scope.startswith("<module>"):
+    if not m.scope.startswith("<module>") and not import_time:
         ran: set[str] = set()
         for ln in range(m.line, m.end_line + 1):
             ran.update(hits.get(str(ln), ()))
@@ -554,6 +593,7 @@ def main() -> int:
             tests,
             hits.get(str(ROOT / m.file), {}),
             durations,
+            bool(import_time_uses(m, ROOT, TARGETS)),
         )
         rec = Record(m.id, m.file, m.line, m.op, m.description, m.scope, sorted(ids), len(pool), "")
         records.append(rec)

@@ -29,7 +29,17 @@ def _recipe(target: str) -> str:
 def _pytest_gpu(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != gpu_gate.ALLOW_ENV}
     env.update(env_extra, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))  # no usable CUDA
-    cmd = [sys.executable, "-m", "pytest", "-p", "refdcp.testing.gpu_gate", "-m", "gpu", "-q", "-rs"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "refdcp.testing.gpu_gate",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+    ]
     cmd += ["-p", "no:randomly", "tests/test_staging_gpu.py"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -76,7 +86,9 @@ def test_gate_fails_on_skips_other_than_needing_more_gpus(monkeypatch: pytest.Mo
     assert s.exitstatus == pytest.ExitCode.OK
     gate.pytest_runtest_logreport(_Report("t.py::b", "CUDA is broken"))  # type: ignore[arg-type]
     gate.pytest_sessionfinish(s, 0)  # type: ignore[arg-type]
-    assert s.exitstatus == pytest.ExitCode.TESTS_FAILED and gate.bad_skips == ["t.py::b: Skipped: CUDA is broken"]
+    assert s.exitstatus == pytest.ExitCode.TESTS_FAILED and gate.bad_skips == [
+        "t.py::b: Skipped: CUDA is broken"
+    ]
     with pytest.raises(pytest.UsageError, match="no GPU test was collected"):
         gate.pytest_collection_finish(_Session([]))  # type: ignore[arg-type]
 
@@ -95,7 +107,13 @@ def test_cuda_problem_names_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_round_trip_rank_function_on_gloo(tmp_path: Path) -> None:
     """The exact rank function the NCCL tests run, on CPU tensors over Gloo."""
     full = run_gloo(2, nccl_round_trip, str(tmp_path / "full"), False, "cpu", timeout=240.0)
-    assert all(r == {"member": True, "x_ok": True, "x_device": "cpu", "rep_ok": True, "step": 5} for r in full)
+    assert all(
+        r == {"member": True, "x_ok": True, "x_device": "cpu", "rep_ok": True, "step": 5}
+        for r in full
+    )
     sub = run_gloo(4, nccl_round_trip, str(tmp_path / "sub"), True, "cpu", timeout=240.0)
-    assert sub[:2] == [{"member": True, "x_ok": True, "x_device": "cpu", "rep_ok": True, "step": 7}] * 2
+    assert (
+        sub[:2]
+        == [{"member": True, "x_ok": True, "x_device": "cpu", "rep_ok": True, "step": 7}] * 2
+    )
     assert sub[2:] == [{"member": False}] * 2

@@ -87,13 +87,17 @@ def test_operators_mutate_code_but_not_strings_annotations_docstrings_asserts_or
     assert (11, "`<` -> `<=`") in ops and (11, "`and` -> `or`") in ops
     assert (11, "negate the `if` condition") in ops and (12, "delete `raise`") in ops
     assert (15, "`break` -> `continue`") in ops and (16, "`return X` -> `return None`") in ops
-    assert (16, "`+` -> `-`") in ops and (21, "drop `Not`") in ops and (24, "`False` -> `True`") in ops
+    assert (
+        (16, "`+` -> `-`") in ops and (21, "drop `Not`") in ops and (24, "`False` -> `True`") in ops
+    )
     assert (4, "drop list element 0") in ops  # a module-level table row
     lines = {m.line for m in ms}
     assert 9 not in lines  # the assert
     assert (3, "`3` -> `4`") in ops  # a module-level constant: its value, not its annotation
     assert not any(m.line == 7 for m in ms)  # `n: int = 5`: default and annotations
-    assert not any("negative" in m.description for m in ms)  # f-string untouched (line 12 only raise)
+    assert not any(
+        "negative" in m.description for m in ms
+    )  # f-string untouched (line 12 only raise)
     assert [m.id for m in ms] == [m.id for m in enumerate_mutants(SAMPLE, "x.py")]  # deterministic
 
 
@@ -113,7 +117,9 @@ def tiny_pkg(tmp_path: Path) -> Any:
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "core.py").write_text(SAMPLE)
-    (pkg / "user.py").write_text("from mutpkg_t.core import TABLE, pick\n\ndef first():\n    return TABLE[0]\n")
+    (pkg / "user.py").write_text(
+        "from mutpkg_t.core import TABLE, pick\n\ndef first():\n    return TABLE[0]\n"
+    )
     sys.path.insert(0, str(tmp_path))
     yield tmp_path
     sys.path.remove(str(tmp_path))
@@ -144,7 +150,12 @@ def test_patch_swaps_function_code_and_rebinds_module_tables(tiny_pkg: Path) -> 
 def test_spec_ids_and_test_selection() -> None:
     known = {f"DEDUP-{i}" for i in range(1, 9)} | {f"STAGE-{i}" for i in range(1, 12)}
     assert run.cited_ids("(DEDUP-1..3) and STAGE-6..STAGE-8, CRC-32", known) == {
-        "DEDUP-1", "DEDUP-2", "DEDUP-3", "STAGE-6", "STAGE-7", "STAGE-8",
+        "DEDUP-1",
+        "DEDUP-2",
+        "DEDUP-3",
+        "STAGE-6",
+        "STAGE-7",
+        "STAGE-8",
     }
     tree = ast.parse(SAMPLE)
     assert run.scope_ids(SAMPLE, tree, "pick", {"DEDUP-1"}, known) == {"DEDUP-2", "DEDUP-3"}
@@ -157,15 +168,23 @@ def test_spec_ids_and_test_selection() -> None:
         "d": run.TestInfo("d", {"DEDUP-3"}),
     }
     hits = {"16": ["a", "b", "c"], "10": ["d"]}
-    pool = run.tests_for_mutant(m, ["a", "b", "c", "d"], {"DEDUP-2"}, tests, hits, {"b": 2.0, "c": 1.0})
+    pool = run.tests_for_mutant(
+        m, ["a", "b", "c", "d"], {"DEDUP-2"}, tests, hits, {"b": 2.0, "c": 1.0}
+    )
     assert pool == ["c", "b", "a"]  # d never ran line 16; own-ID tests first, fastest first
-    row = next(m for m in enumerate_mutants(SAMPLE, "x.py") if m.op.startswith("drop") and m.line == 4)
+    row = next(
+        m for m in enumerate_mutants(SAMPLE, "x.py") if m.op.startswith("drop") and m.line == 4
+    )
     assert set(run.tests_for_mutant(row, ["a", "d"], set(), tests, {}, {})) == {"a", "d"}
 
 
 @pytest.mark.spec("HARN-4")
 def test_sample_is_reproducible_and_proportional() -> None:
-    pop = [Mutant(f"refdcp/{p}/m.py", i, 0, i, "op", "", i, "f") for p in ("a", "b") for i in range(100)]
+    pop = [
+        Mutant(f"refdcp/{p}/m.py", i, 0, i, "op", "", i, "f")
+        for p in ("a", "b")
+        for i in range(100)
+    ]
     pop += [Mutant("refdcp/c/m.py", i, 0, i, "op", "", i, "f") for i in range(200)]
     s1 = run.sample_mutants(pop, 40, 3)
     assert [m.id for m in s1] == [m.id for m in run.sample_mutants(list(reversed(pop)), 40, 3)]
@@ -176,7 +195,9 @@ def test_sample_is_reproducible_and_proportional() -> None:
 
 
 def _rec(status: str, file: str = "refdcp/planning/x.py", **kw: Any) -> run.Record:
-    return run.Record(f"{file}:1:0:{status}", file, 12, "cmp0", "`<` -> `<=`", "f", ["DEDUP-2"], 3, status, **kw)
+    return run.Record(
+        f"{file}:1:0:{status}", file, 12, "cmp0", "`<` -> `<=`", "f", ["DEDUP-2"], 3, status, **kw
+    )
 
 
 @pytest.mark.spec("HARN-5", "HARN-6", "HARN-9")
@@ -197,7 +218,9 @@ def test_reports_scores_survivors_and_equivalents(tmp_path: Path) -> None:
     md = out.with_suffix(".md").read_text(encoding="utf-8")
     assert "`refdcp/planning/x.py:12` (f) `<` -> `<=` [DEDUP-2]" in md
     assert "MUTATION_SAMPLE=200, MUTATION_SEED=7" in md and "of 1266 mutants" in md
-    assert "| planning | 2 | 1 | 1 | 1 | 67 % |" in md and "| staging | 1 | 0 | 0 | 0 | 100 % |" in md
+    assert (
+        "| planning | 2 | 1 | 1 | 1 | 67 % |" in md and "| staging | 1 | 0 | 0 | 0 | 100 % |" in md
+    )
     assert "not patchable" in md and "same result" in md
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["meta"]["seed"] == 7 and len(data["mutants"]) == 6

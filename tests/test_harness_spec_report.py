@@ -18,7 +18,10 @@ def _trace() -> Trace:
         for i, rid in enumerate(["DEDUP-1", "DEDUP-2", "DEDUP-3", "FMT-1"], 1)
     }
     reqs["FMT-2"] = Requirement("FMT-2", "WITHDRAWN", "", "x.md", 9)
-    cites = [Citation(r, f"test_{r}", "tests/t.py", 1) for r in ["DEDUP-1", "DEDUP-2", "DEDUP-3", "FMT-1"]]
+    cites = [
+        Citation(r, f"test_{r}", "tests/t.py", 1)
+        for r in ["DEDUP-1", "DEDUP-2", "DEDUP-3", "FMT-1"]
+    ]
     return Trace(reqs, cites, [])
 
 

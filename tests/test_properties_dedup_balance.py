@@ -170,3 +170,15 @@ def test_most_loaded_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert wrong.rank_bytes() != [100, 70, 70, 100], "the injected rule did not take effect"
     with pytest.raises(AssertionError, match="before its last replicated item"):
         check_dedup(plans, wrong)
+
+
+@pytest.mark.spec("DEDUP-4")
+def test_disagreeing_replicas_are_found_in_plans_that_also_hold_objects() -> None:
+    # the screen takes another path when a plan holds non-tensor items
+    a = save_items({"w": torch.zeros(4), "obj": {"lr": 0.1}, "s": "x"})
+    b = save_items({"w": torch.zeros(4, dtype=torch.float16), "obj": {"lr": 0.1}, "s": 3})
+    res = dedup_items([a, b])
+    assert any("'w'" in p and "dtype" in p for p in res.problems), res.problems
+    c = save_items({"w": torch.zeros(5), "obj": {"lr": 0.1}})
+    res = dedup_items([save_items({"w": torch.zeros(4), "obj": {"lr": 0.1}}), c])
+    assert any("'w'" in p and "shape" in p for p in res.problems), res.problems
