@@ -13,6 +13,7 @@ Environment (all optional):
   MUTATION_SEED     seed of the sample (default 1)
   MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
+  MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests)
   MUTATION_REPORT   where the JSON report goes (default mutation/last-run.json; the
                     Markdown summary goes beside it with the suffix .md)
 """
@@ -552,6 +553,11 @@ def main() -> int:
         mod_ids[rel] = module_ids(src, extra, known)
         population.extend(enumerate_mutants(src, rel))
     chosen = sample_mutants(population, sample, seed)
+    rerun = os.environ.get("MUTATION_RERUN")
+    if rerun:
+        old = json.loads(Path(rerun).read_text(encoding="utf-8"))
+        again = {r["id"] for r in old["mutants"] if r["status"] == "survived"}
+        chosen = [m for m in population if m.id in again]
     print(
         f"mutation: {len(population)} mutants in {len(modules)} modules; running {len(chosen)} (seed {seed})"
     )

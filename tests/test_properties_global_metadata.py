@@ -199,3 +199,14 @@ def test_a_chunk_of_the_wrong_rank_is_reported_not_a_crash() -> None:
     ]
     _, problems = build_state_dict_metadata(plans)
     assert any("outside the global shape" in p and "rank 1" in p for p in problems), problems
+
+
+@pytest.mark.spec("META-3", "META-5")
+def test_a_0d_tensor_written_twice_or_not_at_all_is_reported() -> None:
+    twice = [[item("s", (), (), ())], [item("s", (), (), ())]]
+    _, problems = build_state_dict_metadata(twice)
+    assert any(
+        "a 0-d tensor needs exactly one chunk, got 2 from ranks [0, 1]" in p for p in problems
+    )
+    _, fine = build_state_dict_metadata([[item("s", (), (), ())], []])
+    assert fine == []
