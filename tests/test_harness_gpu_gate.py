@@ -117,3 +117,22 @@ def test_round_trip_rank_function_on_gloo(tmp_path: Path) -> None:
         == [{"member": True, "x_ok": True, "x_device": "cpu", "rep_ok": True, "step": 7}] * 2
     )
     assert sub[2:] == [{"member": False}] * 2
+
+
+@pytest.mark.spec("HARN-19")
+def test_d2h_bandwidth_is_a_benchmark_not_a_test(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from benchmarks import bench_gpu_staging
+    from benchmarks.run import SUITES
+
+    assert SUITES["gpu"] == "benchmarks.bench_gpu_staging"
+    doc = bench_gpu_staging.__doc__ or ""
+    assert "raw pinned copy" in doc and "CudaAsyncStager" in doc and "CpuStager" in doc
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench_gpu_staging.main([])  # without CUDA it says so and measures nothing
+    assert "GPU staging benchmark skipped" in capsys.readouterr().out
+    gpu_tests = (ROOT / "tests" / "test_gpu_properties.py").read_text(encoding="utf-8")
+    assert "perf_counter" not in gpu_tests and "monotonic" not in gpu_tests  # no timing in tests
