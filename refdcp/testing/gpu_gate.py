@@ -30,7 +30,7 @@ def cuda_problem() -> str | None:
         import torch
     except ImportError as e:  # pragma: no cover - torch is a dependency
         return f"torch does not import: {e}"
-    if not torch.backends.cuda.is_built():
+    if not torch.backends.cuda.is_built():  # type: ignore[no-untyped-call]
         return f"this torch build ({torch.__version__}) has no CUDA support"
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False (no driver or no visible device)"
