@@ -134,16 +134,24 @@ def _candidates(node: ast.AST, module_level: bool) -> Iterator[tuple[str, str, E
             def bin_edit(n: ast.AST, *_: object, to: type = to) -> None:
                 n.op = to()  # type: ignore[attr-defined]
 
-            yield "binop", f"`{_sym(type(node.op))}` -> `{_sym(to)}`", bin_edit
+            yield (
+                f"binop-{_name(node.op)}.{node.end_col_offset}",
+                f"`{_sym(type(node.op))}` -> `{_sym(to)}`",
+                bin_edit,
+            )
     elif isinstance(node, ast.BoolOp):
         to2: type[ast.boolop] = ast.Or if isinstance(node.op, ast.And) else ast.And
 
         def bool_edit(n: ast.AST, *_: object, to: type = to2) -> None:
             n.op = to()  # type: ignore[attr-defined]
 
-        yield "boolop", f"`{_sym(type(node.op))}` -> `{_sym(to2)}`", bool_edit
+        yield (
+            f"boolop-{_name(node.op)}.{node.end_col_offset}",
+            f"`{_sym(type(node.op))}` -> `{_sym(to2)}`",
+            bool_edit,
+        )
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub, ast.Invert)):
-        yield "unary", f"drop `{_name(node.op)}`", _replace(lambda n: n.operand)  # type: ignore[attr-defined]
+        yield f"unary-{_name(node.op)}", f"drop `{_name(node.op)}`", _replace(lambda n: n.operand)  # type: ignore[attr-defined]
     elif isinstance(node, ast.Constant):
         v = node.value
         if isinstance(v, bool):
