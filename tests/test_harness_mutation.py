@@ -160,7 +160,11 @@ def test_spec_ids_and_test_selection() -> None:
     tree = ast.parse(SAMPLE)
     assert run.scope_ids(SAMPLE, tree, "pick", {"DEDUP-1"}, known) == {"DEDUP-2", "DEDUP-3"}
     assert run.scope_ids(SAMPLE, tree, "Box.size", {"DEDUP-1"}, known) == {"DEDUP-1"}
-    m = next(m for m in enumerate_mutants(SAMPLE, "x.py") if m.line == 16 and m.op.startswith("binop-Add"))
+    m = next(
+        m
+        for m in enumerate_mutants(SAMPLE, "x.py")
+        if m.line == 16 and m.op.startswith("binop-Add")
+    )
     tests = {
         "a": run.TestInfo("a", {"DEDUP-1"}),
         "b": run.TestInfo("b", {"DEDUP-2"}),
@@ -271,5 +275,7 @@ def test_mutant_ids_are_unique_in_every_target_module() -> None:
     for rel in cfg["modules"]:
         ids = [m.id for m in enumerate_mutants((ROOT / rel).read_text(encoding="utf-8"), rel)]
         assert len(ids) == len(set(ids)), rel
-    nested = enumerate_mutants("def f(a, b, c):\n    return a + b - c if a and b or c else 0\n", "y.py")
+    nested = enumerate_mutants(
+        "def f(a, b, c):\n    return a + b - c if a and b or c else 0\n", "y.py"
+    )
     assert len({m.id for m in nested}) == len(nested)

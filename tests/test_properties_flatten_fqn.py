@@ -40,6 +40,14 @@ def test_fqns_and_paths_match_torchs_flattener(sd: dict[str, Any]) -> None:
         assert v is theirs[k] or v == theirs[k]
 
 
+@pytest.mark.spec("FLAT-1")
+def test_a_list_is_descended_when_a_nested_list_holds_a_tensor() -> None:
+    sd = {"l": [[T], 1], "m": [[1], [2]], "n": [[[T]]]}
+    for ours, theirs in [(flatten_state_dict(sd).paths, torch_flatten(sd)[1])]:
+        assert ours == {k: tuple(v) for k, v in theirs.items()}
+    assert sorted(flatten_state_dict(sd).items) == ["l.0.0", "l.1", "m", "n.0.0.0"]
+
+
 @pytest.mark.spec("FLAT-4", "FLAT-1")
 def test_tuples_holding_tensors_at_any_depth_are_descended() -> None:
     sd = {"t": ({"w": T}, 1), "u": ([T], "x"), "v": (1, "a"), "w": ((T,),)}
