@@ -305,6 +305,8 @@ def mutant_job(m: Mutant, tests: list[str]) -> Any:
 
         try:
             patch(m)
+        except ImportTimeFailure as e:  # the mutated module would not even import
+            return {"status": "killed", "killed_by": "<import>", "error": str(e)}
         except Exception as e:
             return {"status": "error", "error": f"not patchable: {type(e).__name__}: {e}"}
         out = _Outcomes()
@@ -374,11 +376,18 @@ def _rebind(changed: dict[int, Any], package: str) -> None:
                 d[k] = new
 
 
+class ImportTimeFailure(Exception):
+    """Module-level code of the mutant raised: any import of the module fails (killed)."""
+
+
 def _reexec(module: types.ModuleType, tree: ast.Module, start: int, path: str) -> None:
     stmts = [st for st in tree.body[start:] if isinstance(st, MODULE_STMTS)]
     d = vars(module)
     before = dict(d)
-    exec(compile(ast.Module(body=stmts, type_ignores=[]), path, "exec"), d)
+    try:
+        exec(compile(ast.Module(body=stmts, type_ignores=[]), path, "exec"), d)
+    except Exception as e:
+        raise ImportTimeFailure(f"importing the mutant raises {type(e).__name__}: {e}") from e
     changed = {id(before[k]): v for k, v in d.items() if k in before and before[k] is not v}
     _rebind(changed, module.__name__.split(".")[0])
 

@@ -279,3 +279,21 @@ def test_mutant_ids_are_unique_in_every_target_module() -> None:
         "def f(a, b, c):\n    return a + b - c if a and b or c else 0\n", "y.py"
     )
     assert len({m.id for m in nested}) == len(nested)
+
+
+@pytest.mark.spec("HARN-6")
+def test_a_mutant_that_breaks_import_counts_as_killed(tmp_path: Path) -> None:
+    pkg = tmp_path / "mutpkg_imp"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    src = "A = 1\nB = [0, 1][A]\n"
+    (pkg / "m.py").write_text(src)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        m = next(m for m in enumerate_mutants(src, "mutpkg_imp/m.py") if m.line == 1)
+        with pytest.raises(run.ImportTimeFailure, match="IndexError"):
+            run.patch(m, root=tmp_path, targets=["mutpkg_imp/m.py"])
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.startswith("mutpkg_imp")]:
+            del sys.modules[name]
