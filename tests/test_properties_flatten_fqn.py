@@ -48,6 +48,15 @@ def test_a_list_is_descended_when_a_nested_list_holds_a_tensor() -> None:
     assert sorted(flatten_state_dict(sd).items) == ["l.0.0", "l.1", "m", "n.0.0.0"]
 
 
+@pytest.mark.spec("FLAT-4")
+def test_a_list_holding_a_tuple_with_a_tensor_is_descended() -> None:
+    flat = flatten_state_dict({"l": [(T, 1)], "k": [(1, 2)]})
+    assert sorted(flat.items) == ["k", "l.0.0", "l.0.1"]
+    rebuilt = unflatten_state_dict(flat.items, flat.rich, flat.empties)
+    assert isinstance(rebuilt["l"], list) and isinstance(rebuilt["l"][0], tuple)
+    assert rebuilt["l"][0][1] == 1 and rebuilt["k"] == [(1, 2)]
+
+
 @pytest.mark.spec("FLAT-4", "FLAT-1")
 def test_tuples_holding_tensors_at_any_depth_are_descended() -> None:
     sd = {"t": ({"w": T}, 1), "u": ([T], "x"), "v": (1, "a"), "w": ((T,),)}
