@@ -199,9 +199,12 @@ def test_a_chunk_of_the_wrong_rank_is_reported_not_a_crash() -> None:
     ]
     _, problems = build_state_dict_metadata(plans)
     assert any("outside the global shape" in p and "rank 1" in p for p in problems), problems
-    # offsets and sizes of different ranks from one another
+    # offsets and sizes of different ranks from one another (3 chunks: 5 numbers for 3 x 2)
     for off, size in [((2,), (1, 2)), ((2, 0), (2,))]:
-        plans = [[item("x", (0, 0), (2, 2), (3, 2))], [item("x", off, size, (3, 2))]]
+        plans = [
+            [item("x", (0, 0), (1, 2), (3, 2)), item("x", (1, 0), (1, 2), (3, 2))],
+            [item("x", off, size, (3, 2))],
+        ]
         _, problems = build_state_dict_metadata(plans)
         assert any("outside the global shape" in p and "rank 1" in p for p in problems), problems
 
