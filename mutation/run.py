@@ -13,7 +13,8 @@ Environment (all optional):
   MUTATION_SEED     seed of the sample (default 1)
   MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
-  MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests)
+  MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests);
+                    with MUTATION_MERGE=1 their new verdicts replace the old ones in that report
   MUTATION_REPORT   where the JSON report goes (default mutation/last-run.json; the
                     Markdown summary goes beside it with the suffix .md)
 """
@@ -642,7 +643,26 @@ def main() -> int:
 
     run_jobs(job_list, jobs, keep)
     elapsed = time.monotonic() - t_start
-    write_reports(records, report_path, sample, seed, len(population), elapsed, sorted(failing))
+    if rerun and os.environ.get("MUTATION_MERGE") == "1":
+        # re-judge the survivors of a report in place (new tests, same source)
+        new = {r.id: r for r in records}
+        merged = [new.get(r["id"]) or Record(**r) for r in old["mutants"]]
+        meta = dict(old["meta"])
+        note = f"survivors re-judged at {_commit()} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({elapsed:.0f} s)"
+        write_reports(
+            merged,
+            report_path,
+            meta["sample"],
+            meta["seed"],
+            meta["population"],
+            float(meta["seconds"]),
+            list(meta.get("baseline_failures", [])),
+            commit=str(meta["commit"]),
+            date=str(meta["date"]),
+            note=note,
+        )
+    else:
+        write_reports(records, report_path, sample, seed, len(population), elapsed, sorted(failing))
     print(
         f"mutation: report in {report_path} and {report_path.with_suffix('.md')} ({elapsed:.0f} s)"
     )
@@ -690,16 +710,21 @@ def write_reports(
     population: int,
     elapsed: float,
     failing: list[str],
+    *,
+    commit: str | None = None,
+    date: str | None = None,
+    note: str = "",
 ) -> None:
     sc = scores(records)
     meta = {
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit or _commit(),
+        "date": date or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "sample": sample,
         "seed": seed,
         "population": population,
         "seconds": round(elapsed, 1),
         "baseline_failures": failing,
+        "note": note,
     }
     path.write_text(
         json.dumps({"meta": meta, "scores": sc, "mutants": [asdict(r) for r in records]}, indent=1)
@@ -710,7 +735,8 @@ def write_reports(
         "# Mutation run",
         "",
         f"commit {meta['commit']}, {meta['date']}; {len(records)} of {population} mutants "
-        f"(MUTATION_SAMPLE={sample}, MUTATION_SEED={seed}); {elapsed:.0f} s.",
+        f"(MUTATION_SAMPLE={sample}, MUTATION_SEED={seed}); {elapsed:.0f} s."
+        + (f" {note}." if note else ""),
         "",
         "| package | killed | survived | equivalent | error | score (killed / non-equivalent) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
