@@ -543,6 +543,7 @@ def main() -> int:
     only = [s for s in os.environ.get("MUTATION_MODULES", "").split(",") if s]
     report_path = Path(os.environ.get("MUTATION_REPORT", str(DEFAULT_REPORT)))
     t_start = time.monotonic()
+    commit_at_start = _commit()  # the code measured, even if HEAD moves during the run
 
     from refdcp.tools.spec_report import load_spec
 
@@ -648,7 +649,7 @@ def main() -> int:
         new = {r.id: r for r in records}
         merged = [new.get(r["id"]) or Record(**r) for r in old["mutants"]]
         meta = dict(old["meta"])
-        note = f"survivors re-judged at {_commit()} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({elapsed:.0f} s)"
+        note = f"survivors re-judged at {commit_at_start} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({elapsed:.0f} s)"
         write_reports(
             merged,
             report_path,
@@ -662,7 +663,16 @@ def main() -> int:
             note=note,
         )
     else:
-        write_reports(records, report_path, sample, seed, len(population), elapsed, sorted(failing))
+        write_reports(
+            records,
+            report_path,
+            sample,
+            seed,
+            len(population),
+            elapsed,
+            sorted(failing),
+            commit=commit_at_start,
+        )
     print(
         f"mutation: report in {report_path} and {report_path.with_suffix('.md')} ({elapsed:.0f} s)"
     )
