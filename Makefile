@@ -31,7 +31,7 @@ test-gpu:
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -p refdcp.testing.gpu_gate -m gpu -v -rs
 
 mutation:
-	# not part of make test or CI; the default sample takes about 25 minutes on 2 cores (tests/MUTATION.md)
+	# not part of make test or CI; the default sample took 10-17 minutes on 2 shared cores (tests/MUTATION.md)
 	MUTATION_SAMPLE=$(MUTATION_SAMPLE) MUTATION_SEED=$(MUTATION_SEED) MUTATION_JOBS=$(MUTATION_JOBS) \
 		$(BIN)/python -m mutation
 
