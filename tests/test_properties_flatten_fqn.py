@@ -59,9 +59,9 @@ def test_a_list_holding_a_tuple_with_a_tensor_is_descended() -> None:
 
 @pytest.mark.spec("FLAT-4", "FLAT-1")
 def test_tuples_holding_tensors_at_any_depth_are_descended() -> None:
-    sd = {"t": ({"w": T}, 1), "u": ([T], "x"), "v": (1, "a"), "w": ((T,),)}
+    sd = {"t": ({"w": T}, 1), "u": ([T], "x"), "v": (1, "a"), "w": ((T,),), "x": ({"a": {"b": T}},)}
     flat = flatten_state_dict(sd)
-    assert sorted(flat.items) == ["t.0.w", "t.1", "u.0.0", "u.1", "v", "w.0.0"]
+    assert sorted(flat.items) == ["t.0.w", "t.1", "u.0.0", "u.1", "v", "w.0.0", "x.0.a.b"]
     rebuilt = unflatten_state_dict(flat.items, flat.rich, flat.empties)
     assert isinstance(rebuilt["t"], tuple) and isinstance(rebuilt["w"][0], tuple)
     assert rebuilt["v"] == (1, "a") and rebuilt["u"][1] == "x"

@@ -139,10 +139,11 @@ def test_exactly_the_invalid_tensors_are_reported(
         valid, outside, twice = oracle(boxes, shape)
         mine = [p for p in problems if p.startswith(f"{fqn!r}")]
         assert bool(mine) != valid, (fqn, boxes, shape, problems)
-        if outside:
-            assert any("outside the global shape" in p for p in mine), mine
-        if twice and not outside:
-            assert any("overlaps" in p for p in mine), mine
+        # each kind of message appears exactly when the oracle sees that kind of fault
+        assert any("outside the global shape" in p for p in mine) == outside, (boxes, mine)
+        assert any("overlaps" in p for p in mine) == twice, (boxes, mine)
+        if not outside and not twice:
+            assert any(" cover " in p for p in mine) != valid, (boxes, mine)
 
 
 @pytest.mark.spec("META-3")
@@ -218,3 +219,17 @@ def test_a_0d_tensor_written_twice_or_not_at_all_is_reported() -> None:
     )
     _, fine = build_state_dict_metadata([[item("s", (), (), ())], []])
     assert fine == []
+
+
+@pytest.mark.spec("META-3", "META-2")
+@pytest.mark.parametrize(
+    ("boxes", "shape"),
+    [
+        ([((0,), (2,)), ((2,), (1,))], (4,)),  # a hole after two touching chunks
+        ([((0,), (1,)), ((1,), (1,)), ((3,), (1,))], (4,)),
+        ([((0, 0), (2, 4)), ((2, 0), (1, 4))], (4, 4)),
+    ],
+)
+def test_a_hole_is_reported_as_a_hole_only(boxes: list[Box], shape: tuple[int, ...]) -> None:
+    _, problems = build_state_dict_metadata([[item("x", o, s, shape) for o, s in boxes]])
+    assert len(problems) == 1 and " cover " in problems[0], problems
