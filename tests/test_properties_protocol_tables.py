@@ -39,3 +39,18 @@ def test_phase_list_names_every_phase_once_starting_idle(table: object) -> None:
     assert phases[0] == IDLE and len(phases) == len(set(phases))
     assert set(phases) == {r.phase for r in table.rows} | {r.next for r in table.rows}
     assert {"done", "failed"} <= set(phases)
+
+
+@pytest.mark.spec("SAVE-9", "PROTO-5")
+def test_a_rank_that_failed_after_its_last_collective_raises_instead_of_returning() -> None:
+    from refdcp.protocol.machine import Kind
+
+    fail = Failure(rank=1, step="after", exception=RuntimeError("late"), traceback_text="")
+    state = State("broadcast_outcome", 1, False, failure=fail, committed=True)
+    _, action = SAVE.transition(state, Event(On.GOT_OK))
+    assert action.kind is Kind.RAISE and action.error is not None
+    assert action.error.committed and 1 in action.error.rank_failures
+    ok, clean = SAVE.transition(
+        State("broadcast_outcome", 1, False, committed=True), Event(On.GOT_OK)
+    )
+    assert clean.kind is Kind.RETURN and clean.error is None and ok.phase == "done"
