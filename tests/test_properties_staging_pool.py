@@ -89,3 +89,18 @@ def test_a_refused_close_frees_nothing() -> None:
     busy.release()
     pool.close()
     assert pool.states() == []
+
+
+@pytest.mark.spec("STAGE-5", "STAGE-1")
+def test_evicted_and_closed_sets_drop_their_buffers() -> None:
+    pool = BufferPool(max_sets=1)
+    first = pool.acquire(LAYOUTS[0])
+    pool.copy_done(first)
+    first.release()
+    old = first.bset
+    second = pool.acquire(LAYOUTS[1])  # no room: the free set of the other layout is evicted
+    assert old.state is State.CLOSED and old.buffers == []
+    pool.copy_done(second)
+    second.release()
+    pool.close()
+    assert second.bset.state is State.CLOSED and second.bset.buffers == []
