@@ -141,7 +141,8 @@ def test_sync_files_fsyncs_the_directory_after_the_commit(
         storage_writer=FileSystemWriter(tmp_path, sync_files=True),
         no_dist=True,
     )
-    assert "replace" in order and "fsync_dir" in order[order.index("replace") :]
+    # after the data files, before the rename and after it (one rank)
+    assert order == ["fsync_dir", "fsync_dir", "replace", "fsync_dir"], order
 
 
 @pytest.mark.spec("STORE-5")
@@ -197,3 +198,31 @@ def test_a_metadata_checksum_mismatch_names_offset_zero(tmp_path: Path) -> None:
     with pytest.raises(CorruptionError) as err:
         load_metadata(bytes(data))
     assert err.value.offset == 0 and "checksum" in str(err.value)
+
+
+@pytest.mark.spec("STORE-6")
+def test_without_collectives_rank_zeros_metadata_marks_a_committed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from refdcp.storage import layout
+    from refdcp.storage.errors import CheckpointExistsError
+
+    (tmp_path / layout.rank_metadata_name(0)).write_bytes(b"x")
+    w = FileSystemWriter(tmp_path, overwrite=False)
+    w.set_up_storage_writer(False, rank=1, use_collectives=False)
+    with pytest.raises(CheckpointExistsError):
+        w.prepare_local_plan(SavePlan([]))
+    w.set_up_storage_writer(False, rank=1, use_collectives=True)  # only .metadata counts then
+    w.prepare_local_plan(SavePlan([]))
+
+
+@pytest.mark.spec("STORE-7", "SAVE-1")
+def test_storage_meta_names_the_path_and_this_saves_id(tmp_path: Path) -> None:
+    w = FileSystemWriter(tmp_path)
+    meta = w.storage_meta()
+    assert (
+        meta is not None and str(meta.checkpoint_id) == str(tmp_path) and meta.save_id == w.save_id
+    )
+    w.set_up_storage_writer(True)
+    again = w.storage_meta()
+    assert again is not None and again.save_id == w.save_id != meta.save_id
