@@ -128,15 +128,15 @@ def _candidates(node: ast.AST, module_level: bool) -> Iterator[tuple[str, str, E
                     cmp_edit,
                 )
     elif isinstance(node, (ast.BinOp, ast.AugAssign)):
-        to = _BIN.get(type(node.op))
-        if to is not None:
+        tob = _BIN.get(type(node.op))
+        if tob is not None:
 
-            def bin_edit(n: ast.AST, *_: object, to: type = to) -> None:
+            def bin_edit(n: ast.AST, *_: object, to: type = tob) -> None:
                 n.op = to()  # type: ignore[attr-defined]
 
             yield (
                 f"binop-{_name(node.op)}.{node.end_col_offset}",
-                f"`{_sym(type(node.op))}` -> `{_sym(to)}`",
+                f"`{_sym(type(node.op))}` -> `{_sym(tob)}`",
                 bin_edit,
             )
     elif isinstance(node, ast.BoolOp):
@@ -272,7 +272,7 @@ def enumerate_mutants(source: str, relpath: str) -> list[Mutant]:
                         file=relpath,
                         line=getattr(node, "lineno", 0),
                         col=getattr(node, "col_offset", 0),
-                        end_line=getattr(node, "end_lineno", None) or getattr(node, "lineno", 0),
+                        end_line=getattr(node, "end_lineno", 0) or getattr(node, "lineno", 0),
                         op=op,
                         description=desc,
                         node_index=index[id(node)],

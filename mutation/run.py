@@ -288,7 +288,7 @@ def baseline_job(tests: list[str], files: set[str]) -> Any:
         args = [a for a in _pytest_args(tests) if a != "-x"]
         rc = pytest.main(args, plugins=[out])
         sys.settrace(None)
-        threading.settrace(None)  # type: ignore[arg-type]
+        threading.settrace(None)
         return {
             "status": "ok",
             "rc": int(rc),
@@ -382,7 +382,7 @@ class ImportTimeFailure(Exception):
 
 
 def _reexec(module: types.ModuleType, tree: ast.Module, start: int, path: str) -> None:
-    stmts = [st for st in tree.body[start:] if isinstance(st, MODULE_STMTS)]
+    stmts: list[ast.stmt] = [st for st in tree.body[start:] if isinstance(st, MODULE_STMTS)]
     d = vars(module)
     before = dict(d)
     try:
