@@ -6,19 +6,35 @@ found statically by parsing every ``.py`` file under ``tests/`` and
 literal string arguments. No test is imported or run, so the report is fast
 and independent of the test environment.
 
-``python -m refdcp.tools.spec_report`` prints requirement → tests.
+``python -m refdcp.tools.spec_report`` prints requirement → tests and, from the
+last ``make mutation`` report (``mutation/last-run.json``) when there is one,
+how many mutants of each requirement's code were killed or survived and whether
+the requirement is *covered*: a test citing it killed a mutant of its code
+(HARN-12, HARN-13).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Requirement", "Citation", "load_spec", "find_citations", "report", "main"]
+__all__ = [
+    "Requirement",
+    "Citation",
+    "MutationCoverage",
+    "load_spec",
+    "find_citations",
+    "load_mutation_report",
+    "mutation_coverage",
+    "report",
+    "main",
+]
 
 _REQ = re.compile(
     r"^- \*\*([A-Z][A-Z0-9]*-\d+)\*\*\s+(MUST NOT|MUST|SHOULD NOT|SHOULD|WITHDRAWN)\b(.*)$"
@@ -135,19 +151,86 @@ def trace(root: Path | None = None) -> Trace:
     return Trace(reqs, cites, dups)
 
 
-def report(t: Trace) -> str:
+@dataclass
+class MutationCoverage:
+    """Mutants of one requirement's code in the last mutation run (HARN-12)."""
+
+    killed: int = 0
+    survived: int = 0
+    #: a test citing the requirement killed one of them (HARN-13)
+    covered: bool = False
+
+
+def load_mutation_report(root: Path) -> dict[str, Any] | None:
+    """The last ``make mutation`` report, or None when there is none (or it is unreadable)."""
+    path = root / "mutation" / "last-run.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("mutants"), list) else None
+
+
+def mutation_coverage(run: dict[str, Any]) -> dict[str, MutationCoverage]:
+    """Per requirement ID: mutants of its code killed / survived, and whether covered."""
+    out: dict[str, MutationCoverage] = {}
+    for m in run.get("mutants", []):
+        status = m.get("status")
+        if status not in ("killed", "timeout", "survived"):
+            continue  # equivalent or unjudged mutants say nothing about the tests
+        killer_ids = set(m.get("killed_by_ids", []))
+        for rid in m.get("ids", []):
+            cov = out.setdefault(rid, MutationCoverage())
+            if status == "survived":
+                cov.survived += 1
+            else:
+                cov.killed += 1
+                if rid in killer_ids:
+                    cov.covered = True
+    return out
+
+
+def _coverage_note(rid: str, level: str, cov: dict[str, MutationCoverage] | None) -> str:
+    if level == "WITHDRAWN":
+        return ""
+    c = None if cov is None else cov.get(rid)
+    if c is None:
+        return "; mutants: not measured"
+    verdict = "covered" if c.covered else "NOT covered (no citing test killed a mutant)"
+    return f"; mutants: {c.killed} killed, {c.survived} survived; {verdict}"
+
+
+def report(t: Trace, run: dict[str, Any] | None = None) -> str:
+    cov = None if run is None else mutation_coverage(run)
     lines = []
     for rid in sorted(t.requirements, key=_sort_key):
         req = t.requirements[rid]
         tests = sorted({f"{c.file}::{c.test}" for c in t.tests_for(rid)})
         mark = "ok " if tests or req.level == "WITHDRAWN" else "!! "
-        lines.append(f"{mark}{rid:<12} {req.level:<10} ({req.file}) {len(tests)} test(s)")
+        lines.append(
+            f"{mark}{rid:<12} {req.level:<10} ({req.file}) {len(tests)} test(s)"
+            + _coverage_note(rid, req.level, cov)
+        )
         lines.extend(f"      {name}" for name in tests)
     lines.append("")
     lines.append(
         f"{len(t.requirements)} requirements, {len(t.untested)} without a test, "
         f"{len(t.unknown)} citation(s) of unknown IDs"
     )
+    live = [r for r, q in t.requirements.items() if q.level != "WITHDRAWN"]
+    if cov is None:
+        lines.append(
+            "mutation coverage: not measured (no mutation/last-run.json; run make mutation)"
+        )
+    else:
+        meta = run.get("meta", {}) if run else {}
+        covered = sum(1 for r in live if r in cov and cov[r].covered)
+        measured = sum(1 for r in live if r in cov)
+        lines.append(
+            f"mutation coverage (run of {meta.get('date', '?')} at {meta.get('commit', '?')}): "
+            f"{covered} requirement(s) covered, {measured - covered} measured but not covered, "
+            f"{len(live) - measured} not measured"
+        )
     lines.extend(f"  untested: {rid}" for rid in t.untested)
     lines.extend(f"  unknown: {c.id} in {c.file}:{c.line}" for c in t.unknown)
     return "\n".join(lines)
@@ -160,7 +243,7 @@ def _sort_key(rid: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     t = trace()
-    print(report(t))
+    print(report(t, load_mutation_report(repo_root())))
     return 1 if (t.untested or t.unknown or t.duplicate_ids) else 0
 
 

@@ -1,0 +1,781 @@
+"""`make mutation`: mutate the modules that decide correctness, judge each mutant by the
+tests that cite the module's spec IDs and ran the mutated line (spec/harness.md, HARN-1..9).
+
+One parent process imports torch, refdcp and every test module once (pytest
+collection), then forks one child per mutant: the child patches the mutant in
+(``function.__code__`` swap, or re-executed module-level assignments), runs
+pytest in-process on the selected tests with ``-x`` and reports the first failing
+test. A child that runs past its time limit is killed and the mutant counts as
+killed (timeout). Nothing is written to the source tree except the report.
+
+Environment (all optional):
+  MUTATION_SAMPLE   mutants to run, sampled per package in proportion (default 200; 0 = all)
+  MUTATION_SEED     seed of the sample (default 1)
+  MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
+  MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
+  MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests);
+                    with MUTATION_MERGE=1 their new verdicts replace the old ones in that report
+  MUTATION_REPORT   where the JSON report goes (default mutation/last-run.json; the
+                    Markdown summary goes beside it with the suffix .md)
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import json
+import os
+import random
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from mutation.operators import MODULE_STMTS, Mutant, apply_mutant, enumerate_mutants
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "mutation" / "config.toml"
+EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
+DEFAULT_REPORT = ROOT / "mutation" / "last-run.json"
+
+_ID = re.compile(r"\b([A-Z][A-Z0-9]*)-(\d+)(?:\.\.(?:\1-)?(\d+))?")
+
+
+# ---------------------------------------------------------------- spec IDs (HARN-3)
+
+
+def cited_ids(text: str, known: set[str]) -> set[str]:
+    """Spec IDs a piece of source cites; ``DEDUP-1..7`` / ``STAGE-6..STAGE-10`` expand."""
+    out: set[str] = set()
+    for m in _ID.finditer(text):
+        area, lo = m.group(1), int(m.group(2))
+        hi = int(m.group(3)) if m.group(3) else lo
+        for n in range(lo, min(hi, lo + 50) + 1):
+            rid = f"{area}-{n}"
+            if rid in known:
+                out.add(rid)
+    return out
+
+
+def module_ids(source: str, extra: list[str], known: set[str]) -> set[str]:
+    return cited_ids(source, known) | (set(extra) & known)
+
+
+def scope_ids(
+    source: str, tree: ast.Module, scope: str, fallback: set[str], known: set[str]
+) -> set[str]:
+    """IDs the mutated function/statement (or its class) cites; the module's when none."""
+    from mutation.operators import scope_of
+
+    node = scope_of(tree, scope)
+    seg = ast.get_source_segment(source, node) or ""
+    ids = cited_ids(seg, known)
+    if not ids and "." in scope and not scope.startswith("<module>"):
+        cls_name = scope.split(".")[0]
+        for st in tree.body:
+            if isinstance(st, ast.ClassDef) and st.name == cls_name:
+                doc = ast.get_docstring(st) or ""
+                ids = cited_ids(doc, known)
+    return ids or set(fallback)
+
+
+# ---------------------------------------------------------------- sampling (HARN-4)
+
+
+def package_of(relpath: str) -> str:
+    parts = relpath.split("/")
+    return parts[1] if len(parts) > 2 else parts[0]
+
+
+def sample_mutants(population: list[Mutant], n: int, seed: int) -> list[Mutant]:
+    """``n`` mutants drawn per package in proportion to its size; 0 or >= size: all."""
+    pop = sorted(population, key=lambda m: (m.file, m.line, m.col, m.op))
+    if n <= 0 or n >= len(pop):
+        return pop
+    rng = random.Random(seed)
+    by_pkg: dict[str, list[Mutant]] = defaultdict(list)
+    for m in pop:
+        by_pkg[package_of(m.file)].append(m)
+    out: list[Mutant] = []
+    for pkg in sorted(by_pkg):
+        group = by_pkg[pkg]
+        k = max(1, round(n * len(group) / len(pop)))
+        out.extend(rng.sample(group, min(k, len(group))))
+    return sorted(out, key=lambda m: (m.file, m.line, m.col, m.op))
+
+
+# ---------------------------------------------------------------- test collection
+
+
+@dataclass
+class TestInfo:
+    nodeid: str
+    ids: set[str]
+    duration: float = 0.0
+    passed: bool = True
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.tests: dict[str, TestInfo] = {}
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        for item in session.items:
+            ids: set[str] = set()
+            for mark in item.iter_markers("spec"):
+                ids.update(a for a in mark.args if isinstance(a, str))
+            self.tests[item.nodeid] = TestInfo(item.nodeid, ids)
+
+
+def collect_tests(exclude_markers: list[str]) -> dict[str, TestInfo]:
+    import pytest
+
+    col = _Collector()
+    expr = " and ".join(f"not {m}" for m in exclude_markers) or "not nothing"
+    args = ["--collect-only", "-q", "-p", "no:randomly", "-p", "no:xdist", "-m", expr, "tests"]
+    with open(os.devnull, "w") as null:
+        old = sys.stdout
+        sys.stdout = null
+        try:
+            rc = pytest.main(args, plugins=[col])
+        finally:
+            sys.stdout = old
+    if rc not in (0, 5):
+        raise SystemExit(f"mutation: test collection failed (pytest exit {rc})")
+    return {k: v for k, v in col.tests.items() if v.ids}
+
+
+# ---------------------------------------------------------------- children
+
+
+def _fork(job: Any, timeout: float) -> tuple[int, int, float, float]:
+    """Fork a child that runs ``job()`` and writes its JSON result to a pipe."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        os.setpgid(0, 0)
+        result: dict[str, Any]
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            result = job()
+        except BaseException as e:  # report, never raise out of a forked child
+            result = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        data = json.dumps(result).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view) :]
+        os.close(w)
+        os._exit(0)
+    os.close(w)
+    return pid, r, time.monotonic(), timeout
+
+
+def _finish(pid: int, fd: int, chunks: list[bytes], timed_out: bool) -> dict[str, Any]:
+    if timed_out:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    os.close(fd)
+    os.waitpid(pid, 0)
+    if timed_out:
+        return {"status": "timeout"}
+    try:
+        res: dict[str, Any] = json.loads(b"".join(chunks).decode() or "{}")
+    except json.JSONDecodeError:
+        res = {}
+    return res or {"status": "error", "error": "the child died without a result"}
+
+
+def run_jobs(jobs: list[tuple[Any, float]], parallel: int, on_done: Any) -> None:
+    """Run ``(job, timeout)`` pairs in forked children, at most ``parallel`` at once."""
+    pending = list(enumerate(jobs))[::-1]
+    running: dict[int, tuple[int, int, float, float, list[bytes]]] = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            i, (job, timeout) = pending.pop()
+            pid, fd, t0, lim = _fork(job, timeout)
+            running[fd] = (i, pid, t0, lim, [])
+        now = time.monotonic()
+        wait = min(t0 + lim - now for (_, _, t0, lim, _) in running.values())
+        ready, _, _ = select.select(list(running), [], [], max(0.0, wait))
+        for fd in ready:
+            i, pid, t0, lim, chunks = running[fd]
+            data = os.read(fd, 1 << 16)
+            if data:
+                chunks.append(data)
+                continue
+            del running[fd]
+            res = _finish(pid, fd, chunks, False)
+            res["seconds"] = round(time.monotonic() - t0, 2)
+            on_done(i, res)
+        now = time.monotonic()
+        for fd, (i, pid, t0, lim, chunks) in list(running.items()):
+            if now - t0 > lim:
+                del running[fd]
+                res = _finish(pid, fd, chunks, True)
+                res["seconds"] = round(now - t0, 2)
+                on_done(i, res)
+
+
+class _Outcomes:
+    """pytest plugin: outcome and duration of each test; the first failure."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.durations: dict[str, float] = {}
+        self.current = ""
+
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        self.current = nodeid
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+        if report.failed and report.nodeid not in self.failed:
+            self.failed.append(report.nodeid)
+
+
+def _pytest_args(tests: list[str]) -> list[str]:
+    return [
+        "-x",
+        "-q",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:xdist",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "timeout=120",
+        *tests,
+    ]
+
+
+def baseline_job(tests: list[str], files: set[str]) -> Any:
+    """Run every selected test once, unmutated, recording which test ran which target line."""
+
+    def job() -> dict[str, Any]:
+        import pytest
+
+        out = _Outcomes()
+        hits: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+
+        def local(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                hits[frame.f_code.co_filename][frame.f_lineno].add(out.current)
+            return local
+
+        def glob(frame: types.FrameType, event: str, arg: Any) -> Any:
+            if frame.f_code.co_filename in files:
+                hits[frame.f_code.co_filename][frame.f_lineno].add(out.current)
+                return local
+            return None
+
+        threading.settrace(glob)
+        sys.settrace(glob)
+        args = [a for a in _pytest_args(tests) if a != "-x"]
+        rc = pytest.main(args, plugins=[out])
+        sys.settrace(None)
+        threading.settrace(None)
+        return {
+            "status": "ok",
+            "rc": int(rc),
+            "failed": out.failed,
+            "durations": out.durations,
+            "hits": {f: {str(ln): sorted(t) for ln, t in d.items()} for f, d in hits.items()},
+        }
+
+    return job
+
+
+def mutant_job(m: Mutant, tests: list[str]) -> Any:
+    def job() -> dict[str, Any]:
+        import pytest
+
+        try:
+            patch(m)
+        except ImportTimeFailure as e:  # the mutated module would not even import
+            return {"status": "killed", "killed_by": "<import>", "error": str(e)}
+        except Exception as e:
+            return {"status": "error", "error": f"not patchable: {type(e).__name__}: {e}"}
+        out = _Outcomes()
+        rc = int(pytest.main(_pytest_args(tests), plugins=[out]))
+        if rc == 0:
+            return {"status": "survived"}
+        if rc == 1 and out.failed:
+            return {"status": "killed", "killed_by": out.failed[0]}
+        return {"status": "error", "error": f"pytest exit {rc}", "failed": out.failed}
+
+    return job
+
+
+# ---------------------------------------------------------------- patching (HARN-2)
+
+
+def _module_name(relpath: str) -> str:
+    name = relpath[:-3].replace("/", ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _functions(obj: Any, modname: str, seen: set[int]) -> list[types.FunctionType]:
+    """Every function object reachable from a module or class namespace."""
+    out: list[types.FunctionType] = []
+    for v in list(vars(obj).values()):
+        cands = [v]
+        if isinstance(v, (staticmethod, classmethod)):
+            cands = [v.__func__]
+        elif isinstance(v, property):
+            cands = [f for f in (v.fget, v.fset, v.fdel) if f is not None]
+        for f in cands:
+            while hasattr(f, "__wrapped__") and not isinstance(f, types.FunctionType):
+                f = f.__wrapped__
+            if isinstance(f, types.FunctionType):
+                inner = f
+                out.append(f)
+                while hasattr(inner, "__wrapped__"):
+                    inner = inner.__wrapped__
+                    if isinstance(inner, types.FunctionType):
+                        out.append(inner)
+            elif isinstance(f, type) and id(f) not in seen and f.__module__ == modname:
+                seen.add(id(f))
+                out.extend(_functions(f, modname, seen))
+    return out
+
+
+def _codes(code: types.CodeType) -> list[types.CodeType]:
+    out = [code]
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out.extend(_codes(c))
+    return out
+
+
+def _rebind(changed: dict[int, Any], package: str) -> None:
+    """Point every global (in the mutated package, tests, conformance) that held an old
+    object at the new one."""
+    if not changed:
+        return
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith((package, "tests", "conformance")):
+            continue
+        d = vars(mod)
+        for k, v in list(d.items()):
+            new = changed.get(id(v))
+            if new is not None:
+                d[k] = new
+
+
+class ImportTimeFailure(Exception):
+    """Module-level code of the mutant raised: any import of the module fails (killed)."""
+
+
+def _reexec(module: types.ModuleType, tree: ast.Module, start: int, path: str) -> None:
+    stmts: list[ast.stmt] = [st for st in tree.body[start:] if isinstance(st, MODULE_STMTS)]
+    d = vars(module)
+    before = dict(d)
+    try:
+        exec(compile(ast.Module(body=stmts, type_ignores=[]), path, "exec"), d)
+    except Exception as e:
+        raise ImportTimeFailure(f"importing the mutant raises {type(e).__name__}: {e}") from e
+    changed = {id(before[k]): v for k, v in d.items() if k in before and before[k] is not v}
+    _rebind(changed, module.__name__.split(".")[0])
+
+
+def patch(m: Mutant, root: Path = ROOT, targets: list[str] | None = None) -> None:
+    """Apply ``m`` to the imported module (HARN-2): swap the function's ``__code__``, or
+    re-execute the module-level assignments from the mutated one on."""
+    path = root / m.file
+    module = importlib.import_module(_module_name(m.file))
+    source = path.read_text(encoding="utf-8")
+    tree = apply_mutant(source, m)
+    if m.scope.startswith("<module>"):
+        _reexec(module, tree, int(m.scope.split(":")[1]), str(path))
+        return
+    codes = [c for c in _codes(compile(tree, str(path), "exec")) if c.co_qualname == m.scope]
+    fns = [
+        f
+        for f in _functions(module, module.__name__, set())
+        if f.__code__.co_qualname == m.scope and f.__code__.co_filename == str(path)
+    ]
+    done = 0
+    for f in fns:
+        for c in codes:
+            if (
+                c.co_firstlineno == f.__code__.co_firstlineno
+                and c.co_freevars == f.__code__.co_freevars
+            ):
+                f.__code__ = c
+                done += 1
+    if not done:
+        raise LookupError(f"no function object for {m.scope} in {m.file}")
+    # tables built at import through the patched function are rebuilt (protocol rows)
+    for rel, i in import_time_uses(m, root, TARGETS if targets is None else targets):
+        mod = sys.modules.get(_module_name(rel))
+        if mod is not None:
+            _reexec(mod, ast.parse((root / rel).read_text(encoding="utf-8")), i, str(root / rel))
+
+
+def _called_names(node: ast.AST) -> set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            name = getattr(n.func, "id", None) or getattr(n.func, "attr", None)
+            if name:
+                out.add(name)
+    return out
+
+
+def import_time_uses(m: Mutant, root: Path, targets: list[str]) -> list[tuple[str, int]]:
+    """(module, first statement) of module-level assignments that run ``m``'s function at
+    import, directly or through functions, methods or classes that call it."""
+    if m.scope.startswith("<module>"):
+        return []
+    tree = ast.parse((root / m.file).read_text(encoding="utf-8"))
+    parts = m.scope.split(".")
+    names = {parts[-1]}
+    if len(parts) > 1 and parts[-1] in ("__init__", "__post_init__", "__new__"):
+        names.add(parts[-2])
+    callers: list[tuple[set[str], set[str]]] = []  # (names it stands for, names it calls)
+    for st in tree.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            callers.append(({st.name}, _called_names(st)))
+        elif isinstance(st, ast.ClassDef):
+            for sub in st.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    ctor = sub.name in ("__init__", "__post_init__", "__new__")
+                    callers.append(
+                        ({sub.name, st.name} if ctor else {sub.name}, _called_names(sub))
+                    )
+    grew = True
+    while grew:
+        grew = False
+        for stands_for, calls in callers:
+            if calls & names and not stands_for <= names:
+                names |= stands_for
+                grew = True
+    out = []
+    for rel in targets:
+        mtree = ast.parse((root / rel).read_text(encoding="utf-8"))
+        for i, st in enumerate(mtree.body):
+            if isinstance(st, MODULE_STMTS) and _called_names(st) & names:
+                out.append((rel, i))
+                break
+    return out
+
+
+def tests_for_mutant(
+    m: Mutant,
+    module_tests: list[str],
+    ids: set[str],
+    tests: dict[str, TestInfo],
+    hits: dict[str, list[str]],
+    durations: dict[str, float],
+    import_time: bool = False,
+) -> list[str]:
+    """The tests that judge ``m`` (HARN-3): those citing the module's IDs (``module_tests``)
+    that ran a line of the mutated node in the baseline (``hits``: line -> tests);
+    every one of them for a module-level mutant or one whose function runs at import. Tests citing the mutated function's own
+    IDs run first, then the fastest, so ``-x`` stops early and credits the right requirement."""
+    pool = list(module_tests)
+    if not m.scope.startswith("<module>") and not import_time:
+        ran: set[str] = set()
+        for ln in range(m.line, m.end_line + 1):
+            ran.update(hits.get(str(ln), ()))
+        pool = [t for t in pool if t in ran]
+    pool.sort(key=lambda t: (not (tests[t].ids & ids), durations.get(t, 0.0), t))
+    return pool
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Record:
+    id: str
+    file: str
+    line: int
+    op: str
+    description: str
+    scope: str
+    ids: list[str]
+    tests: int
+    status: str
+    killed_by: str = ""
+    killed_by_ids: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+
+
+def load_config() -> tuple[dict[str, list[str]], list[str]]:
+    cfg = tomllib.loads(CONFIG.read_text(encoding="utf-8"))
+    return dict(cfg["modules"]), list(cfg["tests"]["exclude_markers"])
+
+
+def load_equivalent() -> dict[str, str]:
+    if not EQUIVALENT.exists():
+        return {}
+    data = tomllib.loads(EQUIVALENT.read_text(encoding="utf-8"))
+    return {e["id"]: e["reason"] for e in data.get("equivalent", [])}
+
+
+TARGETS: list[str] = []
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
+    sample = int(os.environ.get("MUTATION_SAMPLE", "200"))
+    seed = int(os.environ.get("MUTATION_SEED", "1"))
+    jobs = max(1, int(os.environ.get("MUTATION_JOBS", "1")))
+    only = [s for s in os.environ.get("MUTATION_MODULES", "").split(",") if s]
+    report_path = Path(os.environ.get("MUTATION_REPORT", str(DEFAULT_REPORT)))
+    t_start = time.monotonic()
+    commit_at_start = _commit()  # the code measured, even if HEAD moves during the run
+
+    from refdcp.tools.spec_report import load_spec
+
+    known = set(load_spec(ROOT / "spec")[0])
+    modules, exclude = load_config()
+    TARGETS[:] = list(modules)
+    if only:
+        modules = {k: v for k, v in modules.items() if any(s in k for s in only)}
+    equivalent = load_equivalent()
+
+    population: list[Mutant] = []
+    mod_ids: dict[str, set[str]] = {}
+    sources: dict[str, str] = {}
+    trees: dict[str, ast.Module] = {}
+    for rel, extra in modules.items():
+        src = (ROOT / rel).read_text(encoding="utf-8")
+        sources[rel], trees[rel] = src, ast.parse(src)
+        mod_ids[rel] = module_ids(src, extra, known)
+        population.extend(enumerate_mutants(src, rel))
+    chosen = sample_mutants(population, sample, seed)
+    rerun = os.environ.get("MUTATION_RERUN")
+    if rerun:
+        old = json.loads(Path(rerun).read_text(encoding="utf-8"))
+        again = {r["id"] for r in old["mutants"] if r["status"] == "survived"}
+        chosen = [m for m in population if m.id in again]
+    print(
+        f"mutation: {len(population)} mutants in {len(modules)} modules; running {len(chosen)} (seed {seed})"
+    )
+
+    tests = collect_tests(exclude)
+    selected = {
+        rel: sorted(t for t, info in tests.items() if info.ids & ids)
+        for rel, ids in mod_ids.items()
+    }
+    union = sorted({t for ts in selected.values() for t in ts})
+    print(f"mutation: baseline run of {len(union)} spec-citing tests (tracing the mutated modules)")
+    files = {str(ROOT / rel) for rel in modules}
+    base: dict[str, Any] = {}
+
+    def keep_base(_: int, res: dict[str, Any]) -> None:
+        base.update(res)
+
+    run_jobs([(baseline_job(union, files), 3600.0)], 1, keep_base)
+    if base.get("status") != "ok":
+        raise SystemExit(f"mutation: baseline run failed: {base}")
+    failing = set(base["failed"])
+    if failing:
+        print(
+            f"mutation: {len(failing)} test(s) fail without any mutant and are left out: {sorted(failing)}"
+        )
+    durations: dict[str, float] = base["durations"]
+    hits: dict[str, dict[str, list[str]]] = base["hits"]
+
+    records: list[Record] = []
+    job_list: list[tuple[Any, float]] = []
+    job_records: list[Record] = []
+    for m in chosen:
+        src, tree = sources[m.file], trees[m.file]
+        ids = scope_ids(src, tree, m.scope, mod_ids[m.file], known)
+        pool = tests_for_mutant(
+            m,
+            [t for t in selected[m.file] if t not in failing],
+            ids,
+            tests,
+            hits.get(str(ROOT / m.file), {}),
+            durations,
+            bool(import_time_uses(m, ROOT, TARGETS)),
+        )
+        rec = Record(m.id, m.file, m.line, m.op, m.description, m.scope, sorted(ids), len(pool), "")
+        records.append(rec)
+        if m.id in equivalent:
+            rec.status, rec.note = "equivalent", equivalent[m.id]
+            continue
+        if not pool:
+            rec.status, rec.note = "survived", "no test citing the module's IDs runs this line"
+            continue
+        limit = 20.0 + 3.0 * sum(durations.get(t, 1.0) for t in pool)
+        job_list.append((mutant_job(m, pool), limit))
+        job_records.append(rec)
+
+    done = [0]
+
+    def keep(i: int, res: dict[str, Any]) -> None:
+        rec = job_records[i]
+        rec.status = res.get("status", "error")
+        rec.seconds = float(res.get("seconds", 0.0))
+        rec.killed_by = res.get("killed_by", "")
+        rec.note = res.get("error", "") or (
+            "ran past its time limit" if rec.status == "timeout" else ""
+        )
+        if rec.killed_by:
+            rec.killed_by_ids = sorted(tests[rec.killed_by].ids) if rec.killed_by in tests else []
+        done[0] += 1
+        print(
+            f"  [{done[0]}/{len(job_list)}] {rec.status:<9} {rec.seconds:5.1f}s {rec.id} {rec.description}",
+            flush=True,
+        )
+
+    run_jobs(job_list, jobs, keep)
+    elapsed = time.monotonic() - t_start
+    if rerun and os.environ.get("MUTATION_MERGE") == "1":
+        # re-judge the survivors of a report in place (new tests, same source)
+        new = {r.id: r for r in records}
+        merged = [new.get(r["id"]) or Record(**r) for r in old["mutants"]]
+        meta = dict(old["meta"])
+        note = f"survivors re-judged at {commit_at_start} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({elapsed:.0f} s)"
+        write_reports(
+            merged,
+            report_path,
+            meta["sample"],
+            meta["seed"],
+            meta["population"],
+            float(meta["seconds"]),
+            list(meta.get("baseline_failures", [])),
+            commit=str(meta["commit"]),
+            date=str(meta["date"]),
+            note=note,
+        )
+    else:
+        write_reports(
+            records,
+            report_path,
+            sample,
+            seed,
+            len(population),
+            elapsed,
+            sorted(failing),
+            commit=commit_at_start,
+        )
+    print(
+        f"mutation: report in {report_path} and {report_path.with_suffix('.md')} ({elapsed:.0f} s)"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- reports (HARN-5, HARN-6)
+
+
+def scores(records: list[Record]) -> dict[str, dict[str, int]]:
+    """Per package: killed (timeouts included), survived, equivalent, error."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        s = out.setdefault(
+            package_of(r.file), {"killed": 0, "survived": 0, "equivalent": 0, "error": 0}
+        )
+        key = "killed" if r.status in ("killed", "timeout") else r.status
+        s[key if key in s else "error"] += 1
+    return out
+
+
+def score_percent(s: dict[str, int]) -> float | None:
+    n = s["killed"] + s["survived"]
+    return None if n == 0 else 100.0 * s["killed"] / n
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_reports(
+    records: list[Record],
+    path: Path,
+    sample: int,
+    seed: int,
+    population: int,
+    elapsed: float,
+    failing: list[str],
+    *,
+    commit: str | None = None,
+    date: str | None = None,
+    note: str = "",
+) -> None:
+    sc = scores(records)
+    meta = {
+        "commit": commit or _commit(),
+        "date": date or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "sample": sample,
+        "seed": seed,
+        "population": population,
+        "seconds": round(elapsed, 1),
+        "baseline_failures": failing,
+        "note": note,
+    }
+    path.write_text(
+        json.dumps({"meta": meta, "scores": sc, "mutants": [asdict(r) for r in records]}, indent=1)
+        + "\n",
+        encoding="utf-8",
+    )
+    lines = [
+        "# Mutation run",
+        "",
+        f"commit {meta['commit']}, {meta['date']}; {len(records)} of {population} mutants "
+        f"(MUTATION_SAMPLE={sample}, MUTATION_SEED={seed}); {elapsed:.0f} s."
+        + (f" {note}." if note else ""),
+        "",
+        "| package | killed | survived | equivalent | error | score (killed / non-equivalent) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for pkg in sorted(sc):
+        s = sc[pkg]
+        pct = score_percent(s)
+        lines.append(
+            f"| {pkg} | {s['killed']} | {s['survived']} | {s['equivalent']} | {s['error']} | "
+            + ("n/a" if pct is None else f"{pct:.0f} %")
+            + " |"
+        )
+    lines += ["", "## Surviving mutants", ""]
+    surv = [r for r in records if r.status == "survived"]
+    lines += [
+        f"- `{r.file}:{r.line}` ({r.scope}) {r.description} [{', '.join(r.ids)}]; {r.tests} test(s)"
+        + (f"; {r.note}" if r.note else "")
+        for r in surv
+    ] or ["none"]
+    errs = [r for r in records if r.status == "error"]
+    if errs:
+        lines += ["", "## Mutants that could not be judged (left out of the score)", ""]
+        lines += [f"- `{r.file}:{r.line}` {r.description}: {r.note}" for r in errs]
+    eq = [r for r in records if r.status == "equivalent"]
+    if eq:
+        lines += ["", "## Equivalent mutants (mutation/equivalent.toml)", ""]
+        lines += [f"- `{r.file}:{r.line}` {r.description}: {r.note}" for r in eq]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
