@@ -187,11 +187,14 @@ def async_save(
     checkpoint_id: Any = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    stager: AsyncStager | None = None,
-    executor: str = "thread",
     process_group: Any = None,
-    comm: Communicator | None = None,
+    async_checkpointer_type: Any = None,
+    async_stager: AsyncStager | None = None,
     no_dist: bool = False,
+    use_collectives: bool = True,
+    stager: AsyncStager | None = None,
+    executor: str | None = None,
+    comm: Communicator | None = None,
     limiter: InFlightLimiter | None = None,
     save_fn: SaveFn | None = None,
 ) -> AsyncSaveHandle:
@@ -202,10 +205,17 @@ def async_save(
     save per process, or per ``comm`` when one is given; ASYNC-5). ``save_fn``
     replaces ``refdcp.save`` (e.g. a wrapper for fault injection); it is called
     with the staged dict and the keyword arguments ``checkpoint_id``,
-    ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``.
+    ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``
+    (and ``use_collectives=False`` when given).
+    torch's spellings are accepted too (API-11): ``async_stager=`` for
+    ``stager=`` and ``async_checkpointer_type=`` (torch's
+    ``AsyncCheckpointerType`` or ``"thread"``/``"process"``) for ``executor=``.
     """
-    if executor not in ("thread", "process"):
-        raise ValueError(f"executor must be 'thread' or 'process', not {executor!r}")
+    stager, executor = _translate_torch_names(
+        stager, async_stager, executor, async_checkpointer_type
+    )
+    if not use_collectives and executor == "process":
+        raise ValueError("use_collectives=False is supported with executor='thread' only")
     if executor == "process":
         from refdcp.asyncsave.process_executor import async_save_process
 
@@ -269,6 +279,8 @@ def async_save(
                 kwargs["comm"] = bg_comm
             else:
                 kwargs["no_dist"] = True
+            if not use_collectives:
+                kwargs["use_collectives"] = False
             metadata = fn(staged, **kwargs)
         except BaseException as exc:
             error = exc
@@ -292,6 +304,35 @@ def async_save(
     if stager_.should_synchronize_after_execute:
         stager_.synchronize_staging()
     return handle
+
+
+def _translate_torch_names(
+    stager: AsyncStager | None,
+    async_stager: AsyncStager | None,
+    executor: str | None,
+    async_checkpointer_type: Any,
+) -> tuple[AsyncStager | None, str]:
+    """refdcp's ``stager``/``executor`` from either spelling; both spellings at once must agree (API-11)."""
+    if async_stager is not None:
+        if stager is not None and stager is not async_stager:
+            raise ValueError("pass the stager once: `stager=` (refdcp) or `async_stager=` (torch)")
+        stager = async_stager
+    kind: str | None = None
+    if async_checkpointer_type is not None:
+        kind = str(getattr(async_checkpointer_type, "value", async_checkpointer_type))
+        if kind not in ("thread", "process"):
+            raise ValueError(
+                f"async_checkpointer_type must be AsyncCheckpointerType.THREAD/PROCESS "
+                f"or 'thread'/'process', not {async_checkpointer_type!r}"
+            )
+        if executor is not None and executor != kind:
+            raise ValueError(
+                f"executor={executor!r} and async_checkpointer_type={kind!r} disagree; pass one"
+            )
+    chosen = executor if executor is not None else (kind or "thread")
+    if chosen not in ("thread", "process"):
+        raise ValueError(f"executor must be 'thread' or 'process', not {chosen!r}")
+    return stager, chosen
 
 
 _CHANNELS: dict[int | None, list[Callable[[], None]]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,23 +36,42 @@ __all__ = ["DefaultSavePlanner"]
 class DefaultSavePlanner(SavePlanner):
     """Flatten, plan every chunk on every rank, dedup on the coordinator, validate (PLAN-1).
 
-    Options: ``check_replicas`` compares replica values by checksum
-    (DEDUP-6); ``bytes_on_coordinator`` keeps non-tensor items on the
-    coordinator (DEDUP-7); ``dedup_save_to_lowest_rank`` is torch's option
-    (DEDUP-2); ``coordinator_rank`` is the coordinator's index in the plan list.
+    Positional parameters are torch's, in torch's order (API-10):
+    ``flatten_state_dict`` must be True; ``flatten_sharded_tensors`` is
+    accepted (ShardedTensors are planned without rewriting, so both values
+    behave the same); ``dedup_replicated_tensors`` is deprecated in torch and
+    has no effect in either; ``dedup_save_to_lowest_rank`` is torch's option
+    (DEDUP-2); ``enable_plan_caching`` reuses the local and global plans of
+    the previous save when the structure is unchanged (PLAN-9).
+    refdcp's options are keyword-only: ``check_replicas`` (default True)
+    compares replica values by digest (DEDUP-6, DEDUP-13);
+    ``bytes_on_coordinator`` keeps non-tensor items on the coordinator
+    (DEDUP-7); ``coordinator_rank`` is the coordinator's index in the plan list.
     """
 
     def __init__(
         self,
         flatten_state_dict: bool = True,
-        *,
-        check_replicas: bool = False,
-        bytes_on_coordinator: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
         dedup_save_to_lowest_rank: bool = False,
+        enable_plan_caching: bool = False,
+        *,
+        check_replicas: bool = True,
+        bytes_on_coordinator: bool = True,
         coordinator_rank: int = 0,
     ) -> None:
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultSavePlanner always flattens (FLAT-1)")
+        if dedup_replicated_tensors is not None:
+            warnings.warn(
+                "DefaultSavePlanner's `dedup_replicated_tensors` argument is deprecated "
+                "(as in torch) and has no effect: replicated items are always deduplicated",
+                FutureWarning,
+                stacklevel=2,
+            )
+        self.flatten_sharded_tensors = flatten_sharded_tensors
+        self.enable_plan_caching = enable_plan_caching
         self.check_replicas = check_replicas
         self.bytes_on_coordinator = bytes_on_coordinator
         self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank

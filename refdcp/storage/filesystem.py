@@ -33,10 +33,12 @@ from torch.futures import Future
 
 from refdcp.errors import RefdcpError
 from refdcp.storage import layout
+from refdcp.storage.checked_read import read_checked_into
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError
 from refdcp.storage.items import (
     ChunkIndex,
     Encoded,
+    checksum_of,
     copy_into_destination,
     data_offset_of,
     encode_bytes,
@@ -172,8 +174,11 @@ class FileSystemWriter(_AtPath, StorageWriter):
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: Any = None,
     ) -> None:
         super().__init__()
+        _refuse_torch_only_options(_extensions, serialization_format)
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(path)
@@ -336,23 +341,31 @@ class FileSystemWriter(_AtPath, StorageWriter):
 class FileSystemReader(_AtPath, StorageReader):
     """A torch ``StorageReader`` for torch's layout, with safe metadata and fast reads.
 
-    Reads refdcp and torch checkpoints (FMT-5); ``set_verify(True)`` checks
-    every item's CRC-32C before it is delivered (INTEG-4).
+    Reads refdcp and torch checkpoints (FMT-5); by default every item that
+    carries a CRC-32C is checked as it is read (LOAD-10); ``set_verify(True)``
+    checks every item before it is delivered and requires checksums (INTEG-4);
+    ``set_verify(False)`` checks nothing.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
+        # torch's ``_extension_registry`` decodes stream transforms; refdcp's reader
+        # refuses transformed items by name when it meets one, so it is accepted and unused
         super().__init__()
         self.path = Path(path)
         self.storage_data: dict[Any, Any] = {}
         self.load_id = layout.new_save_token()
         self.verify = False
+        self.verify_available = True
         self.rank: int | None = None
         self.use_collectives = True
         self._chunks: ChunkIndex | None = None
+        self._verified: set[tuple[str, int]] = set()
 
-    def set_verify(self, verify: bool) -> None:
-        """Check each item's checksum before delivering it (INTEG-4)."""
-        self.verify = verify
+    def set_verify(self, verify: bool | None) -> None:
+        """True: check every item before delivering it, requiring checksums (INTEG-4);
+        None: check the items that carry a checksum (LOAD-10); False: check nothing."""
+        self.verify = verify is True
+        self.verify_available = verify is not False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
@@ -380,6 +393,7 @@ class FileSystemReader(_AtPath, StorageReader):
         self.rank = kwargs.get("rank")
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         self._chunks = ChunkIndex(metadata)
+        self._verified = set()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -422,10 +436,18 @@ class FileSystemReader(_AtPath, StorageReader):
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner
     ) -> None:
         fqn = req.storage_index.fqn
-        if req.type == LoadItemType.BYTE_IO or self.verify or data_offset_of(info) is None:
+        checked = self.verify or (self.verify_available and checksum_of(info) is not None)
+        partial = checked and not self.verify and not self._whole_or_verified(req, info)
+        if (
+            req.type == LoadItemType.BYTE_IO
+            or self.verify
+            or partial
+            or data_offset_of(info) is None
+        ):
             blob = bytearray(info.length)
             got = _pread_into(fd, memoryview(blob), info.offset)
-            if self.verify:
+            if checked:
+                self._verified.add((relative_path, int(info.offset)))
                 verify_blob(memoryview(blob)[:got], info, fqn, relative_path)
             if got != info.length:
                 raise CorruptionError(
@@ -453,11 +475,11 @@ class FileSystemReader(_AtPath, StorageReader):
                 and tuple(target.shape) == tuple(sizes)
                 and target.is_contiguous()
             ):
-                _read_exact(fd, raw_view(target), start, fqn, relative_path)
+                self._read_into(fd, raw_view(target), start, info, fqn, relative_path, checked)
                 planner.commit_tensor(req, target)
                 return
             stored = torch.empty(sizes, dtype=dtype)
-            _read_exact(fd, raw_view(stored), start, fqn, relative_path)
+            self._read_into(fd, raw_view(stored), start, info, fqn, relative_path, checked)
             if target.size() != stored.size():
                 raise RefdcpError(
                     f"read {fqn}: destination size {tuple(target.size())} != stored size {tuple(stored.size())}"
@@ -473,6 +495,36 @@ class FileSystemReader(_AtPath, StorageReader):
         _read_exact(fd, raw_view(rows), start + first * row_bytes, fqn, relative_path)
         offsets = torch.Size((0, *req.storage_offsets[1:]))
         copy_into_destination(planner, req, narrow(rows, offsets, req.lengths))
+
+    def _whole_or_verified(self, req: ReadItem, info: Any) -> bool:
+        """A read of a whole chunk, or of a chunk already checked during this load (LOAD-10)."""
+        if (info.relative_path, int(info.offset)) in self._verified:
+            return True
+        chunk = self._chunks.lookup(req.storage_index) if self._chunks is not None else None
+        return chunk is not None and whole_chunk(req, chunk[1])
+
+    @staticmethod
+    def _read_into(
+        fd: int, view: memoryview, start: int, info: Any, fqn: str, file: str, checked: bool
+    ) -> None:
+        if checked:
+            read_checked_into(fd, view, info, fqn, file)
+        else:
+            _read_exact(fd, view, start, fqn, file)
+
+
+def _refuse_torch_only_options(extensions: Any, serialization_format: Any) -> None:
+    """torch's stream transforms and safetensors format are not implemented: say so (API-10)."""
+    if extensions:
+        raise ValueError(
+            "refdcp's FileSystemWriter does not apply stream transforms (_extensions); "
+            "use torch's FileSystemWriter for them"
+        )
+    fmt = getattr(serialization_format, "value", serialization_format)
+    if fmt not in (None, "torch_save"):
+        raise ValueError(
+            f"refdcp's FileSystemWriter writes SerializationFormat.TORCH_SAVE only, not {fmt!r}"
+        )
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

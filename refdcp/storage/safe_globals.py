@@ -13,10 +13,11 @@ constructor that only validates and stores its arguments:
 * ``argparse.Namespace`` (its ``__dict__`` is restored, no ``__setstate__``);
 * ``datetime.date/time/datetime/timedelta/timezone``, ``decimal.Decimal``,
   ``fractions.Fraction``, ``uuid.UUID``;
-* ``frozenset``, ``slice``, ``range``, ``collections.deque``;
+* ``frozenset``, ``slice``, ``range``;
 * the ``pathlib`` path classes (built from strings, no I/O).
 
-Not on the list, on purpose: user-defined classes (dataclasses, Enums, ...).
+Not on the list: ``collections.deque`` and ``defaultdict`` (torch's weights-only
+unpickler cannot rebuild them), and, on purpose, user-defined classes (dataclasses, Enums, ...).
 Referencing one imports its module, which runs that module's code, so it
 must be the caller's decision: ``refdcp.load(..., safe_globals=[MyEnum])`` or
 ``DefaultLoadPlanner(safe_globals=[...])``.
@@ -25,7 +26,6 @@ must be the caller's decision: ``refdcp.load(..., safe_globals=[MyEnum])`` or
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import decimal
 import fractions
@@ -37,7 +37,7 @@ from typing import Any
 
 from refdcp.errors import RefdcpError
 
-__all__ = ["UnsafeObjectError", "default_safe_globals", "refused_global"]
+__all__ = ["UnsafeObjectError", "default_safe_globals", "refused_global", "unpickler_detail"]
 
 
 def _numpy_globals() -> list[Any]:
@@ -90,7 +90,6 @@ def default_safe_globals() -> list[Any]:
         frozenset,
         slice,
         range,
-        collections.deque,
         pathlib.PurePath,
         pathlib.PurePosixPath,
         pathlib.PureWindowsPath,
@@ -107,22 +106,35 @@ class UnsafeObjectError(RefdcpError, pickle.UnpicklingError):
     """
 
     def __init__(self, fqn: str, refused: str | None, detail: str = "") -> None:
-        what = refused or "a global outside the allow-list"
-        super().__init__(
-            f"{fqn!r}: the saved value references {what}, which refdcp does not unpickle by "
-            f"default (loading it would import and run code). If you trust this checkpoint, "
-            f"pass safe_globals=[{what}] to refdcp.load (or to DefaultLoadPlanner), or "
-            f"DefaultLoadPlanner(allow_pickle=True) to unpickle without restriction."
-            + (f" ({detail})" if detail else "")
-        )
+        if refused:
+            head = (
+                f"{fqn!r}: the saved value references {refused}, which refdcp does not "
+                "unpickle by default (naming it imports and may run code). If you trust this "
+                f"checkpoint, pass safe_globals=[{refused}] to refdcp.load (or to "
+                "DefaultLoadPlanner), or DefaultLoadPlanner(allow_pickle=True)"
+            )
+        else:
+            head = (
+                f"{fqn!r}: the saved value cannot be rebuilt by the weights-only unpickler "
+                f"({detail or 'unsupported pickle content'}). If you trust this checkpoint, "
+                "load it with DefaultLoadPlanner(allow_pickle=True)"
+            )
+        super().__init__(head + " (LOAD-9)")
         self.fqn = fqn
         self.refused = refused
+        self.detail = detail
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.fqn, self.refused))
+        return (type(self), (self.fqn, self.refused, self.detail))
 
 
 def refused_global(message: str) -> str | None:
     """The ``module.name`` a weights-only unpickler refused, from torch's error text, if any."""
     m = re.search(r"GLOBAL ([\w.]+)", message)
     return m.group(1) if m else None
+
+
+def unpickler_detail(message: str) -> str:
+    """The weights-only unpickler's own reason, from torch's error text."""
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", message, re.S)
+    return m.group(1).strip() if m else ""
