@@ -168,14 +168,9 @@ def tensor_checksum(t: torch.Tensor) -> int:
     t = t.detach().resolve_conj().resolve_neg().to("cpu")
     if t.numel() == 0:
         return 0
-    data = (
-        torch.empty_like(t, memory_format=torch.contiguous_format)
-        .copy_(t)
-        .reshape(-1)
-        .view(torch.uint8)
-        .numpy()
-    )
-    return int(crc32c.crc32c(data.data))
+    if not t.is_contiguous():  # a contiguous tensor is checksummed in place, without a copy
+        t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+    return int(crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy().data))
 
 
 def _canonical(obj: Any) -> Any:
