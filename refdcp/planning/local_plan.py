@@ -27,6 +27,7 @@ __all__ = [
     "chunk_nbytes",
     "chunkless_tensors",
     "item_key",
+    "may_be_replicated",
     "object_write_items",
     "plan_digest",
     "replica_checksums",
@@ -190,11 +191,23 @@ def object_checksum(obj: Any) -> int:
     return int(crc32c.crc32c(pickle.dumps(_canonical(obj), protocol=4)))
 
 
+def may_be_replicated(obj: Any) -> bool:
+    """False for a value no other rank can hold: a DTensor replicated along no mesh dim
+    of size > 1 (its chunks are this rank's alone) (DEDUP-13)."""
+    if isinstance(obj, DTensor):
+        mesh = obj.device_mesh
+        return any(p.is_replicate() and mesh.size(d) > 1 for d, p in enumerate(obj.placements))
+    return True
+
+
 def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
-    """Checksum of every item's value, keyed like dedup groups items (DEDUP-6)."""
+    """Checksum of every item's value that other ranks may hold too, keyed like dedup
+    groups items (DEDUP-6, DEDUP-13)."""
     out: dict[Any, int] = {}
     for item in items:
         obj = flat[item.index.fqn]
+        if not may_be_replicated(obj):
+            continue
         if item.type == WriteItemType.BYTE_IO:
             out[item_key(item)] = object_checksum(obj)
         else:

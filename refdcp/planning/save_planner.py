@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_di
 from .global_metadata import PlanValidationError, build_state_dict_metadata
 from .local_plan import (
     chunkless_tensors,
+    item_key,
     plan_digest,
     replica_checksums,
     resolve_tensor_chunk,
@@ -79,6 +81,7 @@ class DefaultSavePlanner(SavePlanner):
         self.flat = Flattened()
         self.is_coordinator = False
         self.plan: SavePlan | None = None
+        self._token = uuid.uuid4().hex
 
     def set_up_planner(
         self,
@@ -92,13 +95,18 @@ class DefaultSavePlanner(SavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         items = save_items(self.flat.items)
-        sums = replica_checksums(self.flat.items, items) if self.check_replicas else None
+        sums: dict[Any, int] | None = None
+        deferred = self.check_replicas and self.is_coordinator
+        if self.check_replicas and not deferred:
+            sums = replica_checksums(self.flat.items, items)
         data: dict[str, Any] = dict(self.flat.paths)
         data[RESERVED_KEY] = {
             **encode_structure(self.flat),
             "digest": plan_digest(items, sums),
             "checksums": sums,
             "chunkless": chunkless_tensors(self.flat.items, items),
+            # the coordinator digests only its items other ranks hold, in create_global_plan
+            "deferred_checksums": self._token if deferred else None,
         }
         self.plan = SavePlan(items, planner_data=data)
         return self.plan
@@ -109,6 +117,7 @@ class DefaultSavePlanner(SavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         extras = [_extras(p) for p in all_plans]
+        self._fill_deferred_checksums(all_plans, extras)
         result = dedup_items(
             [p.items for p in all_plans],
             digests=[e.get("digest") for e in extras],
@@ -148,6 +157,29 @@ class DefaultSavePlanner(SavePlanner):
             for p, items in zip(all_plans, result.plans)
         ]
         return plans, metadata
+
+    def _fill_deferred_checksums(
+        self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
+    ) -> None:
+        """The coordinator's own replica digests, for the keys other ranks hold (DEDUP-13).
+
+        A single-rank save digests nothing; other ranks' keys are collected once per
+        group of identical plans.
+        """
+        mine = [r for r, e in enumerate(extras) if e.get("deferred_checksums") == self._token]
+        if not mine:
+            return
+        (me,) = mine
+        others: set[Any] = set()
+        seen: set[Any] = set()
+        for r, (p, e) in enumerate(zip(all_plans, extras)):
+            d = e.get("digest")
+            if r == me or (d is not None and d in seen):
+                continue
+            seen.add(d)
+            others.update(map(item_key, p.items))
+        shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
+        extras[me] = {**extras[me], "checksums": replica_checksums(self.flat.items, shared)}
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         self.plan = new_plan
