@@ -31,6 +31,7 @@ from .local_plan import (
     resolve_tensor_chunk,
     save_items,
 )
+from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -82,6 +83,9 @@ class DefaultSavePlanner(SavePlanner):
         self.is_coordinator = False
         self.plan: SavePlan | None = None
         self._token = uuid.uuid4().hex
+        self._local_cache = LocalPlanCache()
+        self._global_cache: GlobalPlanCache | None = None
+        self._coordinator_shared: list[WriteItem] = []
 
     def set_up_planner(
         self,
@@ -94,9 +98,25 @@ class DefaultSavePlanner(SavePlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        fingerprint = structure_fingerprint(self.flat) if self.enable_plan_caching else None
+        deferred = self.check_replicas and self.is_coordinator
+        if fingerprint is not None and self._local_cache.hit(fingerprint):
+            # unchanged structure: a marker instead of the plan; digests still travel (PLAN-9)
+            items = self._local_cache.local_items
+            marker = {
+                "cached": self._local_cache.fingerprint_id,
+                "checksums": (
+                    replica_checksums(self.flat.items, items)
+                    if self.check_replicas and not deferred
+                    else None
+                ),
+                "deferred_checksums": self._token if deferred else None,
+            }
+            self._local_cache.pending = None
+            self.plan = SavePlan([], planner_data={RESERVED_KEY: marker}, usable=False)
+            return self.plan
         items = save_items(self.flat.items)
         sums: dict[Any, int] | None = None
-        deferred = self.check_replicas and self.is_coordinator
         if self.check_replicas and not deferred:
             sums = replica_checksums(self.flat.items, items)
         data: dict[str, Any] = dict(self.flat.paths)
@@ -108,12 +128,69 @@ class DefaultSavePlanner(SavePlanner):
             # the coordinator digests only its items other ranks hold, in create_global_plan
             "deferred_checksums": self._token if deferred else None,
         }
+        if fingerprint is not None:
+            fid = uuid.uuid4().int >> 64  # names this structure in the coordinator's cache
+            data[RESERVED_KEY]["fingerprint"] = fid
+            self._local_cache.pending = (fingerprint, fid, items)
         self.plan = SavePlan(items, planner_data=data)
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with _gc_paused():
-            return self._create_global_plan(all_plans)
+            if not self.enable_plan_caching:
+                return self._create_global_plan(all_plans)
+            return self._create_global_plan_cached(all_plans)
+
+    def _create_global_plan_cached(
+        self, all_plans: list[SavePlan]
+    ) -> tuple[list[SavePlan], Metadata]:
+        """Reuse the cached global plan when every rank's structure is unchanged (PLAN-10),
+        else rebuild it from the changed plans and the cached ones (PLAN-11)."""
+        extras = [_extras(p) for p in all_plans]
+        cache = self._global_cache
+        markers = [e.get("cached") is not None for e in extras]
+        if any(markers):
+            if cache is None or len(cache.all_plans) != len(all_plans):
+                raise PlanCacheError(
+                    f"ranks {[r for r, m in enumerate(markers) if m]} reuse a cached plan but the "
+                    "coordinator holds none for this world; keep one DefaultSavePlanner instance "
+                    "per rank across saves (PLAN-11)"
+                )
+            stale = [
+                r
+                for r, e in enumerate(extras)
+                if markers[r] and e["cached"] != cache.fingerprint_ids[r]
+            ]
+            if stale:
+                raise PlanCacheError(
+                    f"ranks {stale} reuse cached plans the coordinator does not hold (PLAN-11)"
+                )
+        if cache is not None and all(markers):
+            sums = self._marker_checksums(extras, cache)
+            if not self.check_replicas or cache.replicas_agree(sums):
+                unchanged = [SavePlan([], usable=False) for _ in all_plans]
+                return unchanged, dataclasses.replace(cache.metadata)
+        if any(markers):
+            assert cache is not None
+            all_plans = [
+                _with_new_checksums(cache.all_plans[r], e) if markers[r] else p
+                for r, (p, e) in enumerate(zip(all_plans, extras))
+            ]
+        self._coordinator_shared = []
+        plans, metadata = self._create_global_plan(all_plans)
+        self._global_cache = GlobalPlanCache.build(
+            all_plans, [_extras(p) for p in all_plans], plans, metadata
+        )
+        self._global_cache.coordinator_shared = self._coordinator_shared
+        return plans, dataclasses.replace(metadata)
+
+    def _marker_checksums(self, extras: list[dict[str, Any]], cache: GlobalPlanCache) -> list[Any]:
+        """Each rank's replica digests; the coordinator's own for the keys others hold (DEDUP-13)."""
+        sums: list[Any] = [e.get("checksums") for e in extras]
+        for r, e in enumerate(extras):
+            if self.check_replicas and e.get("deferred_checksums") == self._token:
+                sums[r] = replica_checksums(self.flat.items, cache.coordinator_shared)
+        return sums
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         extras = [_extras(p) for p in all_plans]
@@ -179,9 +256,25 @@ class DefaultSavePlanner(SavePlanner):
             seen.add(d)
             others.update(map(item_key, p.items))
         shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
+        self._coordinator_shared = shared
         extras[me] = {**extras[me], "checksums": replica_checksums(self.flat.items, shared)}
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """With plan caching: an unchanged plan is the cached final plan; a new one is cached
+        together with the local plan it answers (PLAN-9, PLAN-12)."""
+        if self.enable_plan_caching:
+            cache = self._local_cache
+            if not new_plan.usable:
+                if cache.final_plan is None:
+                    raise PlanCacheError("the coordinator reused a plan this rank never cached")
+                new_plan = cache.final_plan
+            else:
+                if cache.pending is not None:
+                    cache.fingerprint, cache.fingerprint_id, cache.local_items = cache.pending
+                    cache.pending = None
+                    cache.final_plan = new_plan
+                else:  # a rebuilt global plan answering this rank's marker
+                    cache.final_plan = new_plan
         self.plan = new_plan
         return new_plan
 
@@ -218,6 +311,19 @@ def _extras(plan: SavePlan) -> dict[str, Any]:
         if isinstance(extra, dict):
             return extra
     return {}
+
+
+def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
+    """A cached local plan carrying this save's replica digests (digest recomputed by dedup)."""
+    data = dict(cached.planner_data) if isinstance(cached.planner_data, dict) else {}
+    extra = dict(data.get(RESERVED_KEY) or {})
+    extra.update(
+        checksums=marker.get("checksums"),
+        deferred_checksums=marker.get("deferred_checksums"),
+        digest=None,
+    )
+    data[RESERVED_KEY] = extra
+    return dataclasses.replace(cached, planner_data=data)
 
 
 def _chunkless_disagreements(extras: list[dict[str, Any]], md: dict[str, Any]) -> list[str]:
