@@ -3,16 +3,14 @@
 Default load verification must cost little on the hot path, so the check is
 fused with the read: the data is read in pieces small enough to stay in the
 CPU cache and each piece is checksummed right after it lands, continuing one
-CRC over the item's framing bytes and data. For an item of several pieces the
-CRC runs on a helper thread (the C code releases the GIL) one piece behind the
-reads, so with a free core the check overlaps the read.
+CRC over the item's framing bytes and data. (Measured on a busy 2-core
+machine, 512 KiB pieces checked inline cost less than a helper thread
+checking one piece behind the reads.)
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import crc32c
@@ -22,39 +20,8 @@ from .items import checksum_of, data_offset_of
 
 __all__ = ["PIECE_BYTES", "read_checked_into"]
 
-#: bytes read and checksummed at a time: small enough to stay in L2/L3
-PIECE_BYTES = 2 << 20
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    """One CRC worker: tasks run in submission order, so a running CRC can be continued."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refdcp-crc")
-        return _POOL
-
-
-class _RunningCrc:
-    """A CRC-32C continued piece by piece on the worker thread, in order."""
-
-    def __init__(self, value: int) -> None:
-        self.value = value
-        self.last: Future[None] | None = None
-
-    def _update(self, piece: memoryview) -> None:
-        self.value = crc32c.crc32c(piece, self.value, 1)  # 1: always release the GIL
-
-    def feed(self, piece: memoryview) -> None:
-        self.last = _pool().submit(self._update, piece)
-
-    def result(self) -> int:
-        if self.last is not None:
-            self.last.result()
-        return self.value
+#: bytes read and checksummed at a time: small enough to stay in the L2 cache
+PIECE_BYTES = 512 << 10
 
 
 def _pread(fd: int, view: memoryview, offset: int) -> int:
@@ -65,6 +32,14 @@ def _pread(fd: int, view: memoryview, offset: int) -> int:
             break
         total += n
     return total
+
+
+def _read_small(fd: int, n: int, offset: int, fqn: str, file: str) -> bytearray:
+    buf = bytearray(n)
+    got = _pread(fd, memoryview(buf), offset)
+    if got != n:
+        raise CorruptionError("data file truncated", fqn=fqn, file=file, offset=offset + got)
+    return buf
 
 
 def read_checked_into(fd: int, view: memoryview, info: Any, fqn: str, file: str) -> None:
@@ -79,12 +54,7 @@ def read_checked_into(fd: int, view: memoryview, info: Any, fqn: str, file: str)
     data_off = data_offset_of(info)
     assert expected is not None and data_off is not None
     base = int(info.offset)
-    crc = 0
-    if data_off:
-        head = bytearray(data_off)
-        if _pread(fd, memoryview(head), base) != data_off:
-            raise CorruptionError("data file truncated", fqn=fqn, file=file, offset=base)
-        crc = crc32c.crc32c(head)
+    crc = crc32c.crc32c(_read_small(fd, data_off, base, fqn, file)) if data_off else 0
     start = base + data_off
     pos, size = 0, len(view)
     while pos < size:
@@ -105,13 +75,7 @@ def read_checked_into(fd: int, view: memoryview, info: Any, fqn: str, file: str)
             offset=base,
         )
     if tail_len:
-        tail = bytearray(tail_len)
-        got = _pread(fd, memoryview(tail), start + size)
-        if got != tail_len:
-            raise CorruptionError(
-                "data file truncated", fqn=fqn, file=file, offset=start + size + got
-            )
-        crc = crc32c.crc32c(tail, crc)
+        crc = crc32c.crc32c(_read_small(fd, tail_len, start + size, fqn, file), crc)
     if crc != expected:
         raise CorruptionError(
             f"checksum mismatch (stored {expected:08x}, computed {crc:08x})",
