@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from refdcp.storage.items import raw_view
+
 __all__ = [
     "ItemKey",
     "chunk_nbytes",
@@ -166,6 +168,9 @@ def plan_digest(items: Iterable[WriteItem], checksums: Mapping[Any, int] | None 
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """crc32c of a tensor's element bytes in row-major order (DEDUP-6)."""
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        # the common case, read in place (raw_view does not copy; ``t`` stays alive here)
+        return int(crc32c.crc32c(raw_view(t))) if t.numel() else 0
     t = t.detach().resolve_conj().resolve_neg().to("cpu")
     if t.numel() == 0:
         return 0
