@@ -98,8 +98,8 @@ class GlobalPlanCache:
     metadata: Metadata
     #: for each rank, the rank whose digests it must equal (same items), itself for class reps
     ref: list[int]
-    #: keys held by ranks of different classes, with those ranks' class reps
-    cross: list[tuple[ItemKey, list[int]]]
+    #: keys held by ranks of different classes, grouped by the class reps holding them
+    cross: dict[tuple[int, ...], list[ItemKey]]
     #: the coordinator's items other ranks hold: the ones it digests (DEDUP-13)
     coordinator_shared: list[WriteItem] = field(default_factory=list)
 
@@ -126,30 +126,32 @@ class GlobalPlanCache:
                 for k in map(item_key, all_plans[r].items):
                     if counts[k] > 1:
                         holders.setdefault(k, []).append(r)
+        cross: dict[tuple[int, ...], list[ItemKey]] = {}
+        for k, rs in holders.items():
+            cross.setdefault(tuple(rs), []).append(k)
         return cls(
             all_plans=all_plans,
             fingerprint_ids=[e.get("fingerprint") for e in extras],
             global_plans=global_plans,
             metadata=metadata,
             ref=ref,
-            cross=list(holders.items()),
+            cross=cross,
         )
 
     def replicas_agree(self, sums: Sequence[Mapping[Any, int] | None]) -> bool:
         """True when every rank's digests equal its class rep's and cross-class keys agree
-        (DEDUP-13); False sends the save down the full path, which reports the disagreement."""
+        (DEDUP-13); False (also for a digest present on one holder only) sends the save
+        down the full path, which reports any disagreement."""
         for r, ref in enumerate(self.ref):
             if ref != r and sums[r] != sums[ref]:
                 return False
-        for key, reps in self.cross:
+        for reps, keys in self.cross.items():
             first = None
             for r in reps:
                 s = sums[r]
-                v = None if s is None else s.get(key)
-                if v is None:
-                    continue
+                vals = list(map(s.get, keys)) if s is not None else [None] * len(keys)
                 if first is None:
-                    first = v
-                elif v != first:
+                    first = vals
+                elif vals != first:
                     return False
         return True

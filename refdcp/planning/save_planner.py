@@ -93,11 +93,16 @@ class DefaultSavePlanner(SavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        self.flat = flatten_state_dict(state_dict)
+        with _gc_paused():
+            self.flat = flatten_state_dict(state_dict)
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
+        with _gc_paused():
+            return self._create_local_plan()
+
+    def _create_local_plan(self) -> SavePlan:
         fingerprint = structure_fingerprint(self.flat) if self.enable_plan_caching else None
         deferred = self.check_replicas and self.is_coordinator
         if fingerprint is not None and self._local_cache.hit(fingerprint):
@@ -294,7 +299,7 @@ class DefaultSavePlanner(SavePlanner):
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while planning creates millions of small objects (DEDUP-8)."""
+    """Pause the cyclic GC while planning creates many small objects (DEDUP-8, PLAN-9)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
