@@ -105,23 +105,25 @@ class DefaultSavePlanner(SavePlanner):
     def _create_local_plan(self) -> SavePlan:
         fingerprint = structure_fingerprint(self.flat) if self.enable_plan_caching else None
         deferred = self.check_replicas and self.is_coordinator
+        sums: dict[Any, int] | None = None
         if fingerprint is not None and self._local_cache.hit(fingerprint):
             # unchanged structure: a marker instead of the plan; digests still travel (PLAN-9)
             items = self._local_cache.local_items
+            if self.check_replicas and deferred and self._global_cache is not None:
+                # the coordinator knows from its cache which of its items others hold
+                sums = replica_checksums(self.flat.items, self._global_cache.coordinator_shared)
+                deferred = False
+            elif self.check_replicas and not deferred:
+                sums = replica_checksums(self.flat.items, items)
             marker = {
                 "cached": self._local_cache.fingerprint_id,
-                "checksums": (
-                    replica_checksums(self.flat.items, items)
-                    if self.check_replicas and not deferred
-                    else None
-                ),
+                "checksums": sums,
                 "deferred_checksums": self._token if deferred else None,
             }
             self._local_cache.pending = None
             self.plan = SavePlan([], planner_data={RESERVED_KEY: marker}, usable=False)
             return self.plan
         items = save_items(self.flat.items)
-        sums: dict[Any, int] | None = None
         if self.check_replicas and not deferred:
             sums = replica_checksums(self.flat.items, items)
         data: dict[str, Any] = dict(self.flat.paths)
