@@ -141,11 +141,14 @@ def test_cached_path_still_compares_replica_values() -> None:
         bad = {"w": torch.full((4,), float(comm.rank))}  # same structure, replicas disagree
         with pytest.raises(CheckpointError) as err:
             refdcp.save(bad, storage_writer=storage.writer("bad"), planner=planner, comm=comm)
-        return planner.markers, str(err.value)
+        alone = {"w": torch.full((4,), 9.0 if comm.rank == 0 else 1.0)}  # the coordinator alone
+        with pytest.raises(CheckpointError) as err2:
+            refdcp.save(alone, storage_writer=storage.writer("bad2"), planner=planner, comm=comm)
+        return planner.markers, str(err.value) + str(err2.value)
 
     for markers, msg in FakeWorld(3).run(rank):
-        assert markers == [False, True, True]
-        assert "differ in value" in msg and "'w'" in msg
+        assert markers == [False, True, True, True]
+        assert "differ in value" in msg and "'w'" in msg and "ranks [1, 2]" in msg
 
 
 @pytest.mark.spec("PLAN-12")
