@@ -10,7 +10,7 @@ import io
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -360,8 +360,6 @@ class FileSystemReader(_AtPath, StorageReader):
         self.use_collectives = True
         self._chunks: ChunkIndex | None = None
         self._verified: set[tuple[str, int]] = set()
-        #: checks of items read in place, each with the tensor its CRC still reads (LOAD-10)
-        self._checks: list[tuple[Callable[[], None], torch.Tensor]] = []
 
     def set_verify(self, verify: bool | None) -> None:
         """True: check every item before delivering it, requiring checksums (INTEG-4);
@@ -413,7 +411,6 @@ class FileSystemReader(_AtPath, StorageReader):
                     "are not supported by refdcp's FileSystemReader"
                 )
             per_file.setdefault(info.relative_path, []).append((info.offset, req, info))
-        self._checks = []
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
             fd = os.open(self.path / relative_path, os.O_RDONLY)
@@ -431,9 +428,6 @@ class FileSystemReader(_AtPath, StorageReader):
                     self._read_item(fd, relative_path, req, info, planner)
             finally:
                 os.close(fd)
-        checks, self._checks = self._checks, []
-        for check, _alive in checks:
-            check()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -481,11 +475,11 @@ class FileSystemReader(_AtPath, StorageReader):
                 and tuple(target.shape) == tuple(sizes)
                 and target.is_contiguous()
             ):
-                self._read_into(fd, target, start, info, fqn, relative_path, checked)
+                self._read_into(fd, raw_view(target), start, info, fqn, relative_path, checked)
                 planner.commit_tensor(req, target)
                 return
             stored = torch.empty(sizes, dtype=dtype)
-            self._read_into(fd, stored, start, info, fqn, relative_path, checked)
+            self._read_into(fd, raw_view(stored), start, info, fqn, relative_path, checked)
             if target.size() != stored.size():
                 raise RefdcpError(
                     f"read {fqn}: destination size {tuple(target.size())} != stored size {tuple(stored.size())}"
@@ -509,12 +503,12 @@ class FileSystemReader(_AtPath, StorageReader):
         chunk = self._chunks.lookup(req.storage_index) if self._chunks is not None else None
         return chunk is not None and whole_chunk(req, chunk[1])
 
+    @staticmethod
     def _read_into(
-        self, fd: int, t: torch.Tensor, start: int, info: Any, fqn: str, file: str, checked: bool
+        fd: int, view: memoryview, start: int, info: Any, fqn: str, file: str, checked: bool
     ) -> None:
-        view = raw_view(t)
-        if checked:  # the CRC may still be running: read_data waits for it, holding ``t`` (LOAD-10)
-            self._checks.append((read_checked_into(fd, view, info, fqn, file), t))
+        if checked:
+            read_checked_into(fd, view, info, fqn, file)
         else:
             _read_exact(fd, view, start, fqn, file)
 
