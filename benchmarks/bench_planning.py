@@ -8,6 +8,17 @@ Runs alternate between the planners; the table shows the median of
 ``--repeats`` runs and refdcp/torch ratios. Targets: <= 0.15x and <= 0.25x.
 
     .venv/bin/python benchmarks/bench_planning.py [--repeats 3] [--scale 1.0]
+
+``--cached`` measures instead the steady state of plan caching (PLAN-9..12,
+torch's ``enable_plan_caching``): 128 ranks x 20,000 replicated tensors, the
+caches primed by one save, then per save the critical path of planning: the
+slower of the coordinator's and a non-coordinator's ``set_up_planner`` +
+``create_local_plan`` (ranks run them in parallel; every non-coordinator's is
+the same in this workload), the coordinator's
+``create_global_plan`` over the 128 plans received, and one ``finish_plan``.
+refdcp is measured with its default replica check (DEDUP-13, which torch
+does not do) and with ``check_replicas=False`` (torch's semantics). Target:
+refdcp <= 0.2x torch.
 """
 
 from __future__ import annotations
@@ -124,13 +135,74 @@ def run(name: str, per_rank: list[list[WriteItem]], repeats: int) -> tuple[str, 
     return name, statistics.median(ours), statistics.median(theirs)
 
 
+def _steady_state(planner_cls: Any, kw: dict[str, Any], sd: dict[str, Any], ranks: int) -> Any:
+    """Prime the caches with one save, then return a function timing one cached save."""
+    coord, other = planner_cls(**kw), planner_cls(**kw)
+
+    def one_save() -> tuple[float, float, bool]:
+        t0 = time.perf_counter()
+        coord.set_up_planner(sd, None, True)
+        mine = coord.create_local_plan()
+        t1 = time.perf_counter()
+        other.set_up_planner(sd, None, False)
+        theirs = other.create_local_plan()  # the same on every non-coordinator rank
+        # ranks plan locally in parallel: the slower of the two is on the critical path
+        local = max(t1 - t0, time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        plans, _ = coord.create_global_plan([mine] + [theirs] * (ranks - 1))
+        coord.finish_plan(plans[0])
+        glob = time.perf_counter() - t1
+        other.finish_plan(plans[1])
+        return local, glob, not theirs.usable
+
+    one_save()  # prime
+    return one_save
+
+
+def run_cached(ranks: int, items: int, repeats: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sd = {f"layer{i // 10}.p{i % 10}": torch.zeros(16 + (i * 37) % 256) for i in range(items)}
+    variants: list[tuple[str, Any, dict[str, Any]]] = [
+        ("torch", tp.DefaultSavePlanner, {"enable_plan_caching": True}),
+        ("refdcp", DefaultSavePlanner, {"enable_plan_caching": True}),
+        (
+            "refdcp check_replicas=False",
+            DefaultSavePlanner,
+            {"enable_plan_caching": True, "check_replicas": False},
+        ),
+    ]
+    runs = {name: _steady_state(cls, kw, sd, ranks) for name, cls, kw in variants}
+    got: dict[str, list[tuple[float, float, bool]]] = {name: [] for name in runs}
+    for r in range(repeats):  # alternate the implementations
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for name in order:
+            got[name].append(runs[name]())
+    print(f"cached steady state, {ranks} ranks x {items} replicated tensors, median of {repeats}")
+    print(f"{'planner':30} {'local s':>9} {'global s':>9} {'total s':>9} {'vs torch':>9} cached")
+    base = statistics.median(a + b for a, b, _ in got["torch"])
+    base_g = statistics.median(b for _, b, _ in got["torch"])
+    for name, rows in got.items():
+        loc = statistics.median(a for a, _, _ in rows)
+        glo = statistics.median(b for _, b, _ in rows)
+        tot = statistics.median(a + b for a, b, _ in rows)
+        hit = all(h for _, _, h in rows)
+        print(f"{name:30} {loc:9.4f} {glo:9.4f} {tot:9.4f} {tot / base:9.3f} {hit}")
+    print(f"(global step alone, torch: {base_g:.5f} s)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply item counts (e.g. 0.1 for a quick run)"
     )
+    parser.add_argument("--cached", action="store_true", help="plan caching steady state")
     args = parser.parse_args(argv)
+    if args.cached:
+        run_cached(128, max(1, int(20_000 * args.scale)), args.repeats)
+        return
     n = max(1, int(20_000 * args.scale))
     m = max(1, int(2_000 * args.scale))
     rows = [

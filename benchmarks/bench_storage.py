@@ -14,6 +14,12 @@ compared with a raw write+fsync of the same size measured alternately just befor
 and just after each save.
 
 Run: ``.venv/bin/python -m benchmarks.bench_storage [--trials N] [--only NAME]``.
+
+``--defaults-cost`` instead measures what refdcp's safe defaults cost: refdcp
+with its defaults (replica digests, DEDUP-13; checksums checked on load,
+LOAD-10) against refdcp with both opted out (``check_replicas=False``,
+``verify=False``), alternating, same storage and driver; reported as the
+defaults' extra time in % of the opted-out time (medians).
 """
 
 from __future__ import annotations
@@ -105,10 +111,29 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
     torch.set_num_threads(1)
     writer_cls, reader_cls = _classes(impl)
     if driver == "refdcp":
+        import functools
+
         import refdcp
 
         save_fn: Any = refdcp.save
         load_fn: Any = refdcp.load
+        from refdcp.planning.save_planner import DefaultSavePlanner
+
+        plan_s = [0.0]
+        real_local_plan = DefaultSavePlanner.create_local_plan
+
+        def timed_local_plan(self: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return real_local_plan(self)
+            finally:
+                plan_s[0] += time.perf_counter() - t
+
+        DefaultSavePlanner.create_local_plan = timed_local_plan  # type: ignore[method-assign]
+        if impl == "refdcp-optout":
+            planner = refdcp.DefaultSavePlanner(check_replicas=False)
+            save_fn = functools.partial(refdcp.save, planner=planner)
+            load_fn = functools.partial(refdcp.load, verify=False)
     else:
         save_fn, load_fn = dcp.save, dcp.load
     phase = [0.0]
@@ -140,7 +165,13 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
         bad = [k for i, (k, v) in enumerate(sd.items()) if float(v[0]) != float(int(k[1:]))]
         if bad:
             raise RuntimeError(f"{impl} load returned wrong data for {bad[:3]}")
+    if driver == "refdcp" and op == "save" and impl in DEFAULTS_IMPLS:
+        phase[0] = plan_s[0]  # defaults-cost: the local plan (digests) instead of write_data
     out.put((elapsed, phase[0], extra))
+
+
+#: The two sides of ``--defaults-cost``: refdcp opted out of its safe defaults, and with them.
+DEFAULTS_IMPLS = ("refdcp-optout", "refdcp-defaults")
 
 
 def _run(ctx: Any, *args: Any) -> tuple[float, float, int]:
@@ -188,11 +219,28 @@ def raw_bandwidth(root: str, nbytes: int = 1024 * MiB, read: bool = True) -> tup
     return gib / write_s, gib / read_s
 
 
-def _row(name: str, size: int, res: dict[tuple[str, str], list[tuple[float, float, int]]]) -> None:
+def _row(
+    name: str,
+    size: int,
+    res: dict[tuple[str, str], list[tuple[float, float, int]]],
+    impls: tuple[str, str] = ("torch", "refdcp"),
+) -> None:
     for op in ("save", "load"):
-        t = [statistics.median(r[0] for r in res[(i, op)]) for i in ("torch", "refdcp")]
-        ph = [statistics.median(r[1] for r in res[(i, op)]) for i in ("torch", "refdcp")]
-        rss = [statistics.median(r[2] for r in res[(i, op)]) / size for i in ("torch", "refdcp")]
+        t = [statistics.median(r[0] for r in res[(i, op)]) for i in impls]
+        ph = [statistics.median(r[1] for r in res[(i, op)]) for i in impls]
+        if impls == DEFAULTS_IMPLS:
+            extra = (
+                f" {ph[0]:.3f} / {ph[1]:.3f} | {100 * (ph[1] - ph[0]) / t[0]:.1f}% |"
+                if op == "save"
+                else " | |"
+            )
+            print(
+                f"| {name} | {op} | {t[0]:.3f} | {t[1]:.3f} | {100 * (t[1] / t[0] - 1):+.1f}% |"
+                + extra,
+                flush=True,
+            )
+            continue
+        rss = [statistics.median(r[2] for r in res[(i, op)]) / size for i in impls]
         print(
             f"| {name} | {op} | {t[0]:.3f} | {t[1]:.3f} | {t[0] / t[1]:.2f}x | {ph[0]:.3f} |"
             f" {ph[1]:.3f} | {size / t[1] / (1 << 30):.2f} | {rss[0]:.3f} | {rss[1]:.3f} |",
@@ -217,7 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         default="torch",
         help="save/load entry points (and default planners) driving both storages",
     )
+    parser.add_argument(
+        "--defaults-cost",
+        action="store_true",
+        help="refdcp's defaults vs refdcp with check_replicas=False, verify=False",
+    )
     args = parser.parse_args(argv)
+    impls = DEFAULTS_IMPLS if args.defaults_cost else ("torch", "refdcp")
+    if args.defaults_cost:
+        args.driver = "refdcp"
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "refdcp.storage"])
     root = tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir)
@@ -235,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         def trials(name: str, count: int, nbytes: int, n: int) -> None:
             res: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
             for trial in range(n):
-                order = ["torch", "refdcp"] if trial % 2 == 0 else ["refdcp", "torch"]
+                order = list(impls) if trial % 2 == 0 else list(reversed(impls))
                 # the disk and page cache, measured between the trials they bound
                 raws.append(raw())
                 for impl in order:
@@ -255,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                         _run(ctx, impl, "load", path, count, nbytes, args.driver)
                     )
                     shutil.rmtree(path, ignore_errors=True)
-            _row(name, count * nbytes, res)
+            _row(name, count * nbytes, res, impls)
             if nbytes == OVER_4GIB_BYTES:
                 gib = nbytes / (1 << 30)
                 for impl in ("refdcp", "torch"):
@@ -272,17 +328,28 @@ def main(argv: list[str] | None = None) -> int:
 
         raws.append(raw())
         print(f"driver: {args.driver}.save/load; sync_files=True; {args.trials} trial(s) per cell")
-        print(
-            "| workload | op | torch s | refdcp s | speed-up | torch phase s | refdcp phase s |"
-            " refdcp GiB/s | torch extra RSS | refdcp extra RSS |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        if args.defaults_cost:
+            print(
+                "| workload | op | opted-out s | defaults s | defaults' cost |"
+                " local plan s (opted-out / defaults) | digest cost, % of save |"
+            )
+            print("|---|---|---|---|---|---|---|")
+        else:
+            print(
+                "| workload | op | torch s | refdcp s | speed-up | torch phase s | refdcp phase s |"
+                " refdcp GiB/s | torch extra RSS | refdcp extra RSS |"
+            )
+            print("|---|---|---|---|---|---|---|---|---|---|")
         paired: dict[str, list[float]] = {}
         for name, (count, nbytes) in WORKLOADS.items():
             if args.only and args.only not in name:
                 continue
             trials(name, count, nbytes, args.trials)
-        if args.large_trials > 0 and (not args.only or args.only in OVER_4GIB):
+        if (
+            not args.defaults_cost
+            and args.large_trials > 0
+            and (not args.only or args.only in OVER_4GIB)
+        ):
             trials(OVER_4GIB, 1, OVER_4GIB_BYTES, args.large_trials)
         w = statistics.median(r[0] for r in raws)
         rd = statistics.median(r[1] for r in raws)

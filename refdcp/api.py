@@ -9,7 +9,7 @@ implement torch's ABCs (API-3).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -95,18 +95,25 @@ def save(
     planner: SavePlanner | None = None,
     process_group: Any = None,
     no_dist: bool = False,
+    use_collectives: bool = True,
     comm: Communicator | None = None,
     fault: FaultHook | None = None,
     observer: Observer | None = None,
 ) -> Metadata:
     """Save ``state_dict`` collectively; return the committed Metadata on every rank (API-1).
 
+    ``use_collectives=False`` is torch's experimental mode (API-9): every rank
+    plans and commits alone (``__{rank}.metadata``), then the ranks meet once.
     ``fault`` and ``observer`` are hooks for tests and ``refdcp trace``
     (PROTO-7): ``fault(i, action)`` runs before this rank's i-th action and may
     raise; ``observer`` receives a record of every step.
     """
     _require_id(storage_writer, checkpoint_id, "storage_writer")
     c = resolve_comm(comm, process_group, no_dist)
+    if not use_collectives:
+        return _save_without_collectives(
+            state_dict, c, storage_writer, checkpoint_id, planner, fault, observer
+        )
     ctx = SaveContext(
         rank=c.rank,
         world_size=c.world_size,
@@ -128,6 +135,53 @@ def save(
     return result
 
 
+def _save_without_collectives(
+    state_dict: dict[str, Any],
+    c: Communicator,
+    storage_writer: StorageWriter | None,
+    checkpoint_id: Any,
+    planner: SavePlanner | None,
+    fault: FaultHook | None,
+    observer: Observer | None,
+) -> Metadata:
+    """torch's ``use_collectives=False``: this rank alone plans, writes and commits its own
+    metadata; then every rank learns every rank's outcome (API-9, ERR-1)."""
+    from refdcp.comm import SingleRank
+    from refdcp.errors import CheckpointError, Failure
+
+    ctx = SaveContext(
+        rank=c.rank,
+        world_size=1,
+        coordinator=True,
+        state_dict=state_dict,
+        writer=storage_writer,
+        writer_factory=_writer_factory(checkpoint_id),
+        planner=planner or _default_save_planner(),
+        checkpoint_id=checkpoint_id,
+        use_collectives=False,
+    )
+    result: Metadata | None = None
+    failure: Failure | None = None
+    from refdcp.storage.cleanup import abort_writer
+
+    try:
+        with gc_paused():
+            result = drive(SAVE, ctx, SingleRank(), fault=fault, observer=observer)
+    except CheckpointError as e:
+        abort_writer(ctx.writer)  # remove what this rank wrote, free the lock (STORE-31)
+        failure = next(iter(e.rank_failures.values()), None) or Failure.capture(c.rank, e.step, e)
+        failure = Failure(c.rank, failure.step, failure.exception, failure.traceback_text)
+    except BaseException:
+        abort_writer(ctx.writer)
+        raise
+    outcomes = c.all_gather(failure)
+    failures = {f.rank: f for f in outcomes if f is not None}
+    if failures:
+        raise CheckpointError(next(iter(failures.values())).step, failures)
+    assert result is not None
+    return result
+
+
 def load(
     state_dict: dict[str, Any],
     *,
@@ -137,7 +191,8 @@ def load(
     process_group: Any = None,
     no_dist: bool = False,
     comm: Communicator | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
+    safe_globals: Sequence[Any] = (),
     fault: FaultHook | None = None,
     observer: Observer | None = None,
 ) -> None:
@@ -145,7 +200,11 @@ def load(
 
     Top-level ``Stateful`` values receive ``load_state_dict``; other top-level
     values are replaced by what was loaded, as torch does (API-2).
-    ``verify=True`` checks every item's checksum (API-6).
+    ``verify=None`` (default) checks every item that carries a checksum
+    (LOAD-10); ``verify=True`` requires and checks every item's checksum
+    before delivering it (API-6); ``verify=False`` checks nothing.
+    ``safe_globals`` extends the allow-list of globals that non-tensor values
+    may reference (LOAD-8).
     """
     _require_id(storage_reader, checkpoint_id, "storage_reader")
     c = resolve_comm(comm, process_group, no_dist)
@@ -156,9 +215,24 @@ def load(
         state_dict=state_dict,
         reader=storage_reader,
         reader_factory=_reader_factory(checkpoint_id),
-        planner=planner or _default_load_planner(),
+        planner=_load_planner(planner, safe_globals),
         checkpoint_id=checkpoint_id,
         verify=verify,
     )
     with gc_paused():
         drive(LOAD, ctx, c, fault=fault, observer=observer)
+
+
+def _load_planner(planner: LoadPlanner | None, safe_globals: Sequence[Any]) -> LoadPlanner:
+    """The planner a load uses; ``safe_globals`` goes to refdcp's DefaultLoadPlanner (LOAD-8)."""
+    from refdcp.planning import DefaultLoadPlanner
+
+    p = planner or _default_load_planner()
+    if safe_globals:
+        if not isinstance(p, DefaultLoadPlanner):
+            raise ValueError(
+                f"safe_globals= applies to refdcp's DefaultLoadPlanner; {type(p).__name__} "
+                "unpickles objects itself"
+            )
+        p.safe_globals = [*p.safe_globals, *safe_globals]
+    return p

@@ -95,7 +95,7 @@ def test_objects_stay_on_the_coordinator() -> None:
     assert len(obj_ranks) > 1
 
 
-@pytest.mark.spec("DEDUP-6")
+@pytest.mark.spec("DEDUP-6", "DEDUP-13")
 def test_differing_replica_values_name_key_and_ranks() -> None:
     sds = [{"w": torch.ones(4), "step": 1}, {"w": torch.ones(4), "step": 1}]
     sds.append({"w": torch.full((4,), 2.0), "step": 2})
@@ -104,8 +104,11 @@ def test_differing_replica_values_name_key_and_ranks() -> None:
     msg = str(err.value)
     assert "'w'" in msg and "ranks [0, 1]" in msg and "ranks [2]" in msg
     assert "'step'" in msg and "differ in value" in msg
-    # without the option, torch-like behaviour: one copy is kept silently
-    plans, _ = global_plan(sds)
+    # the default checks too (DEDUP-13)
+    with pytest.raises(PlanValidationError, match="differ in value"):
+        global_plan(sds)
+    # the opt-out gives torch's behaviour: one copy is kept silently
+    plans, _ = global_plan(sds, check_replicas=False)
     assert sum(len(p.items) for p in plans) == 2
 
 

@@ -135,11 +135,14 @@ def async_save(
     checkpoint_id: Any = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    stager: AsyncStager | None = None,
-    executor: str | Executor = "thread",
     process_group: Any = None,
-    comm: Communicator | None = None,
+    async_checkpointer_type: Any = None,
+    async_stager: AsyncStager | None = None,
     no_dist: bool = False,
+    use_collectives: bool = True,
+    stager: AsyncStager | None = None,
+    executor: str | Executor | None = None,
+    comm: Communicator | None = None,
     limiter: InFlightLimiter | None = None,
     save_fn: SaveFn | None = None,
 ) -> AsyncSaveHandle:
@@ -154,9 +157,18 @@ def async_save(
     save per process, or per ``comm`` when one is given; ASYNC-5). ``save_fn``
     replaces ``refdcp.save`` (e.g. a wrapper for fault injection); it is called
     with the staged dict and the keyword arguments ``checkpoint_id``,
-    ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``.
+    ``storage_writer``, ``planner`` and either ``comm`` or ``no_dist=True``
+    (and ``use_collectives=False`` when given).
+    torch's spellings are accepted too (API-11): ``async_stager=`` for
+    ``stager=`` and ``async_checkpointer_type=`` (torch's
+    ``AsyncCheckpointerType`` or ``"thread"``/``"process"``) for ``executor=``.
     """
+    stager, executor = _translate_torch_names(
+        stager, async_stager, executor, async_checkpointer_type
+    )
     chosen = executor_for(executor)
+    if not use_collectives and chosen.name == "process":
+        raise ValueError("use_collectives=False is supported with executor='thread' only")
     plan = chosen.plan(comm=comm, process_group=process_group, no_dist=no_dist, save_fn=save_fn)
     bg_comm, fn = plan.comm, plan.save_fn
     limiter = _default_limiter(comm) if limiter is None else limiter
@@ -211,6 +223,8 @@ def async_save(
                 kwargs["comm"] = bg_comm
             else:
                 kwargs["no_dist"] = True
+            if not use_collectives:
+                kwargs["use_collectives"] = False
             metadata = fn(staged, **kwargs)
         except BaseException as exc:
             error = exc
@@ -234,6 +248,35 @@ def async_save(
     if stager_.should_synchronize_after_execute:
         stager_.synchronize_staging()
     return handle
+
+
+def _translate_torch_names(
+    stager: AsyncStager | None,
+    async_stager: AsyncStager | None,
+    executor: str | Executor | None,
+    async_checkpointer_type: Any,
+) -> tuple[AsyncStager | None, str | Executor]:
+    """refdcp's ``stager``/``executor`` from either spelling; both spellings at once must agree (API-11)."""
+    if async_stager is not None:
+        if stager is not None and stager is not async_stager:
+            raise ValueError("pass the stager once: `stager=` (refdcp) or `async_stager=` (torch)")
+        stager = async_stager
+    kind: str | None = None
+    if async_checkpointer_type is not None:
+        kind = str(getattr(async_checkpointer_type, "value", async_checkpointer_type))
+        if kind not in ("thread", "process"):
+            raise ValueError(
+                f"async_checkpointer_type must be AsyncCheckpointerType.THREAD/PROCESS "
+                f"or 'thread'/'process', not {async_checkpointer_type!r}"
+            )
+        named = executor if isinstance(executor, str) or executor is None else executor.name
+        if named is not None and named != kind:
+            raise ValueError(
+                f"executor={named!r} and async_checkpointer_type={kind!r} disagree; pass one"
+            )
+    if executor is None:
+        return stager, kind or "thread"
+    return stager, executor
 
 
 _CHANNELS: dict[object, list[Callable[[], None]]] = {}

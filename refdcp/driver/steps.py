@@ -55,10 +55,12 @@ def _accepts_kwargs(fn: Callable[..., Any]) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def set_up_writer(writer: StorageWriter, coordinator: bool, rank: int) -> None:
+def set_up_writer(
+    writer: StorageWriter, coordinator: bool, rank: int, use_collectives: bool = True
+) -> None:
     """torch 2.13's call: rank and ``use_collectives`` only to writers taking ``**kwargs`` (SAVE-1)."""
     if _accepts_kwargs(writer.set_up_storage_writer):
-        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+        writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=use_collectives)
     else:
         writer.set_up_storage_writer(coordinator)
 
@@ -131,6 +133,7 @@ class SaveContext(_Base):
     writer: StorageWriter | None = None
     planner: SavePlanner | None = None
     checkpoint_id: Any = None
+    use_collectives: bool = True
 
     def step_set_up(self) -> None:
         """Stateful values, storage selection, planner and writer set-up (SAVE-1, API-2)."""
@@ -147,7 +150,7 @@ class SaveContext(_Base):
             self.planner.set_up_planner(sd, meta, self.coordinator)
         else:
             self.planner.set_up_planner(sd, self.coordinator)  # type: ignore[arg-type]
-        set_up_writer(self.writer, self.coordinator, self.rank)
+        set_up_writer(self.writer, self.coordinator, self.rank, self.use_collectives)
 
     def step_local_plan(self) -> None:
         assert self.planner is not None and self.writer is not None
@@ -207,7 +210,7 @@ class LoadContext(_Base):
     reader: StorageReader | None = None
     planner: LoadPlanner | None = None
     checkpoint_id: Any = None
-    verify: bool = False
+    verify: bool | None = None
 
     def step_set_up(self) -> None:
         """Stateful destinations, metadata, planner and reader set-up (LOAD-1, API-2)."""
@@ -218,13 +221,13 @@ class LoadContext(_Base):
             self.reader = self.reader_factory()
         elif self.checkpoint_id is not None:
             self.reader.reset(self.checkpoint_id)
-        if self.verify:
-            set_verify = getattr(self.reader, "set_verify", None)
-            if set_verify is None:
-                raise ValueError(
-                    f"verify=True needs a reader with checksums; {type(self.reader).__name__} has none"
-                )
-            set_verify(True)
+        set_verify = getattr(self.reader, "set_verify", None)
+        if set_verify is not None:
+            set_verify(self.verify)  # None: check what carries a checksum (LOAD-10)
+        elif self.verify:
+            raise ValueError(
+                f"verify=True needs a reader with checksums; {type(self.reader).__name__} has none"
+            )
         assert self.planner is not None
         metadata = self.reader.read_metadata()
         self.slots[Slot.METADATA] = metadata

@@ -103,9 +103,21 @@ def flatten_state_dict(state_dict: Mapping[Any, Any]) -> Flattened:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"a state_dict must be a mapping, got {type(state_dict).__name__}")
     out = Flattened()
+    items, paths, rich = out.items, out.paths, out.rich
     for key, value in state_dict.items():
+        if type(key) is str and type(value) in _PLAIN_LEAVES and key not in items:
+            # the common top-level tensor: what _visit would record, without its checks
+            if key == RESERVED_KEY:
+                raise ValueError(f"the FQN {key!r} is reserved by refdcp's planner")
+            items[key] = value
+            paths[key] = (key,)
+            rich[key] = (("d", key),)
+            continue
         _visit(out, (str(key),), (("d", _kept_key(key)),), value)
     return out
+
+
+_PLAIN_LEAVES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _visit(out: Flattened, tpath: TorchPath, rpath: RichPath, value: object) -> None:

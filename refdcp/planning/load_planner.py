@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,9 +19,15 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
+from refdcp.storage.safe_globals import (
+    UnsafeObjectError,
+    default_safe_globals,
+    refused_global,
+    unpickler_detail,
+)
+
 from .flatten import Flattened, flatten_state_dict, set_by_rich_path
 from .load_policy import LoadPolicy, LoadPolicyError, check_load
-from .loadable import unloadable_at_load
 from .local_plan import resolve_tensor_chunk
 from .resharding import read_items_for_chunks
 
@@ -46,25 +53,35 @@ def _target_chunks(obj: Any) -> list[ChunkStorageMetadata]:
 class DefaultLoadPlanner(LoadPlanner):
     """Check the whole state dict against the checkpoint, then plan resharded reads (POLICY-1).
 
-    ``strict`` (default True) rejects keys missing from the checkpoint;
-    ``reject_unexpected`` also rejects checkpoint keys the state dict lacks;
-    ``allow_partial_load=True`` is torch's spelling of ``strict=False``;
-    ``allow_cast`` permits dtype conversion; ``allow_pickle`` loads non-tensor
-    objects with ``weights_only=False``.
+    Positional parameters are torch's, in torch's order (API-10):
+    ``flatten_state_dict`` must be True (refdcp always flattens);
+    ``flatten_sharded_tensors`` is accepted (refdcp loads ShardedTensors
+    without rewriting them, so both values behave the same);
+    ``allow_partial_load=True`` is torch's spelling of ``strict=False``.
+    refdcp's own options are keyword-only: ``strict`` (default True) rejects
+    keys missing from the checkpoint; ``reject_unexpected`` also rejects
+    checkpoint keys the state dict lacks; ``allow_cast`` permits dtype
+    conversion; ``safe_globals`` extends the allow-list of globals non-tensor
+    values may reference (LOAD-8); ``allow_pickle`` loads non-tensor objects
+    with ``weights_only=False``.
     """
 
     def __init__(
         self,
         flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
         allow_partial_load: bool = False,
         *,
         strict: bool | None = None,
         reject_unexpected: bool = False,
         allow_cast: bool = False,
         allow_pickle: bool = False,
+        safe_globals: Sequence[Any] = (),
     ) -> None:
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultLoadPlanner always flattens (FLAT-1)")
+        self.flatten_sharded_tensors = flatten_sharded_tensors
+        self.safe_globals: list[Any] = list(safe_globals)
         self.policy = LoadPolicy(
             strict=(not allow_partial_load) if strict is None else strict,
             reject_unexpected=reject_unexpected,
@@ -131,10 +148,7 @@ class DefaultLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickle (weights-only unless ``allow_pickle``) into the original nesting (PLAN-7, FLAT-2)."""
         fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=not self.policy.allow_pickle)
-        except pickle.UnpicklingError as exc:
-            raise unloadable_at_load(fqn, exc) from exc  # SAVE-14
+        obj = load_object(fqn, value, self.policy.allow_pickle, self.safe_globals)
         set_by_rich_path(self.original_state_dict, self.flat.rich[fqn], obj)
         self.flat.items[fqn] = obj
 
@@ -152,6 +166,19 @@ class DefaultLoadPlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass
+
+
+def load_object(fqn: str, value: io.BytesIO, allow_pickle: bool, extra: Sequence[Any]) -> Any:
+    """Unpickle one saved object: weights-only with the default allow-list plus ``extra``
+    (LOAD-7, LOAD-8), or unrestricted with ``allow_pickle`` (PLAN-7); a refused global
+    raises :class:`UnsafeObjectError` naming the key, the class and the option (LOAD-9)."""
+    if allow_pickle:
+        return torch.load(value, weights_only=False)
+    try:
+        with torch.serialization.safe_globals([*default_safe_globals(), *extra]):
+            return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeObjectError(fqn, refused_global(str(e)), unpickler_detail(str(e))) from e
 
 
 def _bytes_index(fqn: str) -> MetadataIndex:

@@ -12,23 +12,21 @@ the save planner extends it for types the caller will also allow at load.
 from __future__ import annotations
 
 import io
-import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from refdcp.errors import ProblemsError
+from refdcp.storage.safe_globals import default_safe_globals
 
 __all__ = [
-    "UnloadableAtLoad",
     "UnloadableValueError",
     "check_loadable",
     "default_safe_globals",
     "loadability_problem",
     "refuse_unloadable",
     "staging_refusal",
-    "unloadable_at_load",
 ]
 
 
@@ -36,22 +34,6 @@ class UnloadableValueError(ProblemsError):
     """Values refused at save: one line per key, naming type, cause and the allowing option (SAVE-12)."""
 
     headline = "refdcp.save refused values that cannot be saved or could never be loaded"
-
-
-class UnloadableAtLoad(UnloadableValueError, pickle.UnpicklingError):
-    """A load's refusal to unpickle a value, naming its key (SAVE-14); still an UnpicklingError."""
-
-    headline = "refdcp.load cannot unpickle a value with its allow-list"
-
-
-def default_safe_globals() -> list[Any]:
-    """The globals a default load allows when unpickling non-tensor values (weights_only=True).
-
-    The single source of the default allow-list, used by this save-time check
-    and by the load side. Empty beyond what ``torch.load(weights_only=True)``
-    allows itself.
-    """
-    return []
 
 
 def _type_name(value: Any) -> str:
@@ -138,16 +120,6 @@ def allowing_options(type_name: str) -> str:
         f"to keep it, allow {type_name} at save with DefaultSavePlanner(safe_globals=[...]) and "
         "at load with safe_globals=[...] (or DefaultLoadPlanner(allow_pickle=True) for a "
         "trusted checkpoint), or convert it to plain data (dict, list, str, int, float, tensor)"
-    )
-
-
-def unloadable_at_load(key: str, exc: BaseException) -> UnloadableAtLoad:
-    """A load-time unpickling refusal that names the key and the allowing options (SAVE-14)."""
-    return UnloadableAtLoad(
-        [
-            f"key {key!r}: a default load (weights_only=True) cannot unpickle it "
-            f"({_unpickler_reason(exc)}); " + allowing_options("its type")
-        ]
     )
 
 

@@ -22,11 +22,14 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from refdcp.storage.items import raw_view
+
 __all__ = [
     "ItemKey",
     "chunk_nbytes",
     "chunkless_tensors",
     "item_key",
+    "may_be_replicated",
     "object_write_items",
     "plan_digest",
     "replica_checksums",
@@ -165,17 +168,15 @@ def plan_digest(items: Iterable[WriteItem], checksums: Mapping[Any, int] | None 
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """crc32c of a tensor's element bytes in row-major order (DEDUP-6)."""
+    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        # the common case, read in place (raw_view does not copy; ``t`` stays alive here)
+        return int(crc32c.crc32c(raw_view(t))) if t.numel() else 0
     t = t.detach().resolve_conj().resolve_neg().to("cpu")
     if t.numel() == 0:
         return 0
-    data = (
-        torch.empty_like(t, memory_format=torch.contiguous_format)
-        .copy_(t)
-        .reshape(-1)
-        .view(torch.uint8)
-        .numpy()
-    )
-    return int(crc32c.crc32c(data.data))
+    if not t.is_contiguous():  # a contiguous tensor is checksummed in place, without a copy
+        t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+    return int(crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy().data))
 
 
 def _canonical(obj: Any) -> Any:
@@ -195,11 +196,23 @@ def object_checksum(obj: Any) -> int:
     return int(crc32c.crc32c(pickle.dumps(_canonical(obj), protocol=4)))
 
 
+def may_be_replicated(obj: Any) -> bool:
+    """False for a value no other rank can hold: a DTensor replicated along no mesh dim
+    of size > 1 (its chunks are this rank's alone) (DEDUP-13)."""
+    if isinstance(obj, DTensor):
+        mesh = obj.device_mesh
+        return any(p.is_replicate() and mesh.size(d) > 1 for d, p in enumerate(obj.placements))
+    return True
+
+
 def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
-    """Checksum of every item's value, keyed like dedup groups items (DEDUP-6)."""
+    """Checksum of every item's value that other ranks may hold too, keyed like dedup
+    groups items (DEDUP-6, DEDUP-13)."""
     out: dict[Any, int] = {}
     for item in items:
         obj = flat[item.index.fqn]
+        if not may_be_replicated(obj):
+            continue
         if item.type == WriteItemType.BYTE_IO:
             out[item_key(item)] = object_checksum(obj)
         else:

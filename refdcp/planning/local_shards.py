@@ -42,6 +42,7 @@ class LocalShards(torch.Tensor):
         chunks: Iterable[tuple[Sequence[int], torch.Tensor]],
         *,
         dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> LocalShards:
         shape = torch.Size(global_shape)
         pairs = [(torch.Size(off), t) for off, t in chunks]
@@ -55,9 +56,14 @@ class LocalShards(torch.Tensor):
             dtype = next(iter(dtypes))
         elif pairs and dtype not in dtypes:
             raise ValueError(f"LocalShards dtype={dtype} differs from the chunks' {dtypes}")
-        device = next(iter(devices)) if devices else torch.device("cpu")
+        if device is not None and devices and torch.device(device) not in devices:
+            raise ValueError(f"LocalShards device={device} differs from the chunks' {devices}")
+        if device is None:
+            device = next(iter(devices)) if devices else torch.device("cpu")
         _check_chunks(shape, pairs)
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=torch.device(device)
+        )
         r._chunks = pairs
         return r
 
@@ -72,6 +78,16 @@ class LocalShards(torch.Tensor):
         args: Any = (),
         kwargs: Any = None,
     ) -> Any:
+        if func is torch.ops.aten.new_empty.default:
+            # torch's StateDictStager copies a tensor subclass as ``new_empty`` plus its
+            # attributes (the chunks): an empty container of that shape (PLAN-14)
+            kw = kwargs or {}
+            return LocalShards(
+                args[1],
+                [],
+                dtype=kw.get("dtype") or args[0].dtype,
+                device=kw.get("device") or args[0].device,
+            )
         raise TypeError(
             f"LocalShards is a checkpointing container; operation {func} is not supported "
             "(use .chunks to reach the local tensors)"
@@ -91,8 +107,26 @@ class LocalShards(torch.Tensor):
 
     # torch's checkpointable protocol -------------------------------------------------
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
-        """One SHARD write item per non-empty chunk (PLAN-3); empty chunks hold no data."""
+        """One SHARD write item per non-empty chunk (PLAN-3); empty chunks hold no data.
+
+        A tensor of zero elements gets one empty item covering it on every rank, so
+        that torch's planner, which records only planned chunks, keeps the key
+        (PLAN-13); refdcp's planner drops it and records the key without chunks.
+        """
         props = TensorProperties(dtype=self.dtype)
+        if self.numel() == 0:
+            zero = torch.Size([0] * len(self.shape))
+            return [
+                WriteItem(
+                    index=MetadataIndex(fqn, zero),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=zero, sizes=self.shape),
+                        properties=props,
+                        size=self.shape,
+                    ),
+                )
+            ]
         return [
             WriteItem(
                 index=MetadataIndex(fqn, off),
@@ -121,6 +155,8 @@ class LocalShards(torch.Tensor):
         found = [t for off, t in self._chunks if off == index.offset]
         if found:
             return max(found, key=lambda t: t.numel())
+        if self.numel() == 0 and index.offset == torch.Size([0] * len(self.shape)):
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)  # PLAN-13
         raise ValueError(f"LocalShards for {index.fqn!r} has no chunk at offsets {index.offset}")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -24,11 +26,13 @@ from .global_metadata import PlanValidationError, build_state_dict_metadata
 from .loadable import refuse_unloadable
 from .local_plan import (
     chunkless_tensors,
+    item_key,
     plan_digest,
     replica_checksums,
     resolve_tensor_chunk,
     save_items,
 )
+from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -36,10 +40,17 @@ __all__ = ["DefaultSavePlanner"]
 class DefaultSavePlanner(SavePlanner):
     """Flatten, plan every chunk on every rank, dedup on the coordinator, validate (PLAN-1).
 
-    Options: ``check_replicas`` compares replica values by checksum
-    (DEDUP-6); ``bytes_on_coordinator`` keeps non-tensor items on the
-    coordinator (DEDUP-7); ``dedup_save_to_lowest_rank`` is torch's option
-    (DEDUP-2); ``coordinator_rank`` is the coordinator's index in the plan list;
+    Positional parameters are torch's, in torch's order (API-10):
+    ``flatten_state_dict`` must be True; ``flatten_sharded_tensors`` is
+    accepted (ShardedTensors are planned without rewriting, so both values
+    behave the same); ``dedup_replicated_tensors`` is deprecated in torch and
+    has no effect in either; ``dedup_save_to_lowest_rank`` is torch's option
+    (DEDUP-2); ``enable_plan_caching`` reuses the local and global plans of
+    the previous save when the structure is unchanged (PLAN-9).
+    refdcp's options are keyword-only: ``check_replicas`` (default True)
+    compares replica values by digest (DEDUP-6, DEDUP-13);
+    ``bytes_on_coordinator`` keeps non-tensor items on the coordinator
+    (DEDUP-7); ``coordinator_rank`` is the coordinator's index in the plan list;
     ``safe_globals`` are extra types the caller allows at load, so values of
     those types pass the save-time loadability check (SAVE-12).
     """
@@ -47,15 +58,27 @@ class DefaultSavePlanner(SavePlanner):
     def __init__(
         self,
         flatten_state_dict: bool = True,
-        *,
-        check_replicas: bool = False,
-        bytes_on_coordinator: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
         dedup_save_to_lowest_rank: bool = False,
+        enable_plan_caching: bool = False,
+        *,
+        check_replicas: bool = True,
+        bytes_on_coordinator: bool = True,
         coordinator_rank: int = 0,
         safe_globals: Sequence[Any] = (),
     ) -> None:
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultSavePlanner always flattens (FLAT-1)")
+        if dedup_replicated_tensors is not None:
+            warnings.warn(
+                "DefaultSavePlanner's `dedup_replicated_tensors` argument is deprecated "
+                "(as in torch) and has no effect: replicated items are always deduplicated",
+                FutureWarning,
+                stacklevel=2,
+            )
+        self.flatten_sharded_tensors = flatten_sharded_tensors
+        self.enable_plan_caching = enable_plan_caching
         self.check_replicas = check_replicas
         self.bytes_on_coordinator = bytes_on_coordinator
         self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
@@ -64,6 +87,10 @@ class DefaultSavePlanner(SavePlanner):
         self.flat = Flattened()
         self.is_coordinator = False
         self.plan: SavePlan | None = None
+        self._token = uuid.uuid4().hex
+        self._local_cache = LocalPlanCache()
+        self._global_cache: GlobalPlanCache | None = None
+        self._coordinator_shared: list[WriteItem] = []
 
     def set_up_planner(
         self,
@@ -71,7 +98,8 @@ class DefaultSavePlanner(SavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        self.flat = flatten_state_dict(state_dict)
+        with _gc_paused():
+            self.flat = flatten_state_dict(state_dict)
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
 
@@ -84,25 +112,110 @@ class DefaultSavePlanner(SavePlanner):
         refuse_unloadable(self.flat.items, self.safe_globals, self.flat.paths)
 
     def create_local_plan(self) -> SavePlan:
-        self.check_values()
+        self.check_values()  # every save: values change even when the structure does not
+        with _gc_paused():
+            return self._create_local_plan()
+
+    def _create_local_plan(self) -> SavePlan:
+        fingerprint = structure_fingerprint(self.flat) if self.enable_plan_caching else None
+        deferred = self.check_replicas and self.is_coordinator
+        sums: dict[Any, int] | None = None
+        if fingerprint is not None and self._local_cache.hit(fingerprint):
+            # unchanged structure: a marker instead of the plan; digests still travel (PLAN-9)
+            items = self._local_cache.local_items
+            if self.check_replicas and deferred and self._global_cache is not None:
+                # the coordinator knows from its cache which of its items others hold
+                sums = replica_checksums(self.flat.items, self._global_cache.coordinator_shared)
+                deferred = False
+            elif self.check_replicas and not deferred:
+                sums = replica_checksums(self.flat.items, items)
+            marker = {
+                "cached": self._local_cache.fingerprint_id,
+                "checksums": sums,
+                "deferred_checksums": self._token if deferred else None,
+            }
+            self._local_cache.pending = None
+            self.plan = SavePlan([], planner_data={RESERVED_KEY: marker}, usable=False)
+            return self.plan
         items = save_items(self.flat.items)
-        sums = replica_checksums(self.flat.items, items) if self.check_replicas else None
+        if self.check_replicas and not deferred:
+            sums = replica_checksums(self.flat.items, items)
         data: dict[str, Any] = dict(self.flat.paths)
         data[RESERVED_KEY] = {
             **encode_structure(self.flat),
             "digest": plan_digest(items, sums),
             "checksums": sums,
             "chunkless": chunkless_tensors(self.flat.items, items),
+            # the coordinator digests only its items other ranks hold, in create_global_plan
+            "deferred_checksums": self._token if deferred else None,
         }
+        if fingerprint is not None:
+            fid = uuid.uuid4().int >> 64  # names this structure in the coordinator's cache
+            data[RESERVED_KEY]["fingerprint"] = fid
+            self._local_cache.pending = (fingerprint, fid, items)
         self.plan = SavePlan(items, planner_data=data)
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with _gc_paused():
-            return self._create_global_plan(all_plans)
+            if not self.enable_plan_caching:
+                return self._create_global_plan(all_plans)
+            return self._create_global_plan_cached(all_plans)
+
+    def _create_global_plan_cached(
+        self, all_plans: list[SavePlan]
+    ) -> tuple[list[SavePlan], Metadata]:
+        """Reuse the cached global plan when every rank's structure is unchanged (PLAN-10),
+        else rebuild it from the changed plans and the cached ones (PLAN-11)."""
+        extras = [_extras(p) for p in all_plans]
+        cache = self._global_cache
+        markers = [e.get("cached") is not None for e in extras]
+        if any(markers):
+            if cache is None or len(cache.all_plans) != len(all_plans):
+                raise PlanCacheError(
+                    f"ranks {[r for r, m in enumerate(markers) if m]} reuse a cached plan but the "
+                    "coordinator holds none for this world; keep one DefaultSavePlanner instance "
+                    "per rank across saves (PLAN-11)"
+                )
+            stale = [
+                r
+                for r, e in enumerate(extras)
+                if markers[r] and e["cached"] != cache.fingerprint_ids[r]
+            ]
+            if stale:
+                raise PlanCacheError(
+                    f"ranks {stale} reuse cached plans the coordinator does not hold (PLAN-11)"
+                )
+        if cache is not None and all(markers):
+            sums = self._marker_checksums(extras, cache)
+            if not self.check_replicas or cache.replicas_agree(sums):
+                unchanged = [SavePlan([], usable=False) for _ in all_plans]
+                return unchanged, dataclasses.replace(cache.metadata)
+        if any(markers):
+            assert cache is not None
+            all_plans = [
+                _with_new_checksums(cache.all_plans[r], e) if markers[r] else p
+                for r, (p, e) in enumerate(zip(all_plans, extras))
+            ]
+        self._coordinator_shared = []
+        plans, metadata = self._create_global_plan(all_plans)
+        self._global_cache = GlobalPlanCache.build(
+            all_plans, [_extras(p) for p in all_plans], plans, metadata
+        )
+        self._global_cache.coordinator_shared = self._coordinator_shared
+        return plans, dataclasses.replace(metadata)
+
+    def _marker_checksums(self, extras: list[dict[str, Any]], cache: GlobalPlanCache) -> list[Any]:
+        """Each rank's replica digests; the coordinator's own for the keys others hold (DEDUP-13)."""
+        sums: list[Any] = [e.get("checksums") for e in extras]
+        for r, e in enumerate(extras):
+            if self.check_replicas and e.get("deferred_checksums") == self._token:
+                sums[r] = replica_checksums(self.flat.items, cache.coordinator_shared)
+        return sums
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         extras = [_extras(p) for p in all_plans]
+        self._fill_deferred_checksums(all_plans, extras)
         result = dedup_items(
             [p.items for p in all_plans],
             digests=[e.get("digest") for e in extras],
@@ -143,7 +256,46 @@ class DefaultSavePlanner(SavePlanner):
         ]
         return plans, metadata
 
+    def _fill_deferred_checksums(
+        self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
+    ) -> None:
+        """The coordinator's own replica digests, for the keys other ranks hold (DEDUP-13).
+
+        A single-rank save digests nothing; other ranks' keys are collected once per
+        group of identical plans.
+        """
+        mine = [r for r, e in enumerate(extras) if e.get("deferred_checksums") == self._token]
+        if not mine:
+            return
+        (me,) = mine
+        others: set[Any] = set()
+        seen: set[Any] = set()
+        for r, (p, e) in enumerate(zip(all_plans, extras)):
+            d = e.get("digest")
+            if r == me or (d is not None and d in seen):
+                continue
+            seen.add(d)
+            others.update(map(item_key, p.items))
+        shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
+        self._coordinator_shared = shared
+        extras[me] = {**extras[me], "checksums": replica_checksums(self.flat.items, shared)}
+
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """With plan caching: an unchanged plan is the cached final plan; a new one is cached
+        together with the local plan it answers (PLAN-9, PLAN-12)."""
+        if self.enable_plan_caching:
+            cache = self._local_cache
+            if not new_plan.usable:
+                if cache.final_plan is None:
+                    raise PlanCacheError("the coordinator reused a plan this rank never cached")
+                new_plan = cache.final_plan
+            else:
+                if cache.pending is not None:
+                    cache.fingerprint, cache.fingerprint_id, cache.local_items = cache.pending
+                    cache.pending = None
+                    cache.final_plan = new_plan
+                else:  # a rebuilt global plan answering this rank's marker
+                    cache.final_plan = new_plan
         self.plan = new_plan
         return new_plan
 
@@ -163,7 +315,7 @@ class DefaultSavePlanner(SavePlanner):
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while planning creates millions of small objects (DEDUP-8)."""
+    """Pause the cyclic GC while planning creates many small objects (DEDUP-8, PLAN-9)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -180,6 +332,19 @@ def _extras(plan: SavePlan) -> dict[str, Any]:
         if isinstance(extra, dict):
             return extra
     return {}
+
+
+def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
+    """A cached local plan carrying this save's replica digests (digest recomputed by dedup)."""
+    data = dict(cached.planner_data) if isinstance(cached.planner_data, dict) else {}
+    extra = dict(data.get(RESERVED_KEY) or {})
+    extra.update(
+        checksums=marker.get("checksums"),
+        deferred_checksums=marker.get("deferred_checksums"),
+        digest=None,
+    )
+    data[RESERVED_KEY] = extra
+    return dataclasses.replace(cached, planner_data=data)
 
 
 def _chunkless_disagreements(extras: list[dict[str, Any]], md: dict[str, Any]) -> list[str]:

@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from refdcp.errors import RefdcpError
 from refdcp.storage import layout
+from refdcp.storage.checked_read import read_checked_into
 from refdcp.storage.cleanup import (
     committed_references,
     reclaim_orphans,
@@ -194,8 +195,11 @@ class FileSystemWriter(_AtPath, StorageWriter):
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: Any = None,
     ) -> None:
         super().__init__()
+        _refuse_torch_only_options(_extensions, serialization_format)
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(path)
@@ -439,23 +443,31 @@ class FileSystemWriter(_AtPath, StorageWriter):
 class FileSystemReader(_AtPath, StorageReader):
     """A torch ``StorageReader`` for torch's layout, with safe metadata and fast reads.
 
-    Reads refdcp and torch checkpoints (FMT-5); ``set_verify(True)`` checks
-    every item's CRC-32C before it is delivered (INTEG-4).
+    Reads refdcp and torch checkpoints (FMT-5); by default every item that
+    carries a CRC-32C is checked as it is read (LOAD-10); ``set_verify(True)``
+    checks every item before it is delivered and requires checksums (INTEG-4);
+    ``set_verify(False)`` checks nothing.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
+        # torch's ``_extension_registry`` decodes stream transforms; refdcp's reader
+        # refuses transformed items by name when it meets one, so it is accepted and unused
         super().__init__()
         self.path = Path(path)
         self.storage_data: dict[Any, Any] = {}
         self.load_id = layout.new_save_token()
         self.verify = False
+        self.verify_available = True
         self.rank: int | None = None
         self.use_collectives = True
         self._chunks: ChunkIndex | None = None
+        self._verified: set[tuple[str, int]] = set()
 
-    def set_verify(self, verify: bool) -> None:
-        """Check each item's checksum before delivering it (INTEG-4)."""
-        self.verify = verify
+    def set_verify(self, verify: bool | None) -> None:
+        """True: check every item before delivering it, requiring checksums (INTEG-4);
+        None: check the items that carry a checksum (LOAD-10); False: check nothing."""
+        self.verify = verify is True
+        self.verify_available = verify is not False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
@@ -482,6 +494,7 @@ class FileSystemReader(_AtPath, StorageReader):
         self.rank = kwargs.get("rank")
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         self._chunks = ChunkIndex(metadata)
+        self._verified = set()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -544,24 +557,42 @@ class FileSystemReader(_AtPath, StorageReader):
     def _read_item(
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner
     ) -> None:
+        """Deliver one item, checked as the verify mode says (INTEG-4, LOAD-10, STORE-41).
+
+        ``verify=True``: every item is checked before any of it is delivered
+        (a large one in bounded memory, STORE-41). The default (checked when a
+        checksum exists): a whole-chunk read is checked while it is read, so a
+        damaged item may already be in the destination when the load raises;
+        a partial read checks its whole item first.
+        """
         fqn = req.storage_index.fqn
-        start = None if req.type == LoadItemType.BYTE_IO else self._data_start(fd, req, info)
-        large = info.length >= INPLACE_MIN_BYTES and req.type != LoadItemType.BYTE_IO
-        if large and self.verify:
+        byte_io = req.type == LoadItemType.BYTE_IO
+        checked = self.verify or (self.verify_available and checksum_of(info) is not None)
+        start = None if byte_io else self._data_start(fd, req, info)
+        large = info.length >= INPLACE_MIN_BYTES and not byte_io
+        if (
+            large
+            and checked
+            and (self.verify or start is None or not self._whole_or_verified(req, info))
+        ):
             self._verify_streaming(fd, relative_path, fqn, info)
+            self._verified.add((relative_path, int(info.offset)))
+            checked = False  # verified whole, before any byte reaches the destination
         if start is None and large:
             self._load_streaming(fd, relative_path, req, info, planner)
             return
-        if start is None or (self.verify and not large):
+        partial = checked and not self.verify and not self._whole_or_verified(req, info)
+        if byte_io or start is None or (checked and (self.verify or partial)):
             blob = bytearray(info.length)
             got = _pread_into(fd, memoryview(blob), info.offset)
-            if self.verify:
+            if checked:
+                self._verified.add((relative_path, int(info.offset)))
                 verify_blob(memoryview(blob)[:got], info, fqn, relative_path)
             if got != info.length:
                 raise CorruptionError(
                     "data file truncated", fqn=fqn, file=relative_path, offset=info.offset + got
                 )
-            if req.type == LoadItemType.BYTE_IO:
+            if byte_io:
                 planner.load_bytes(req, io.BytesIO(blob))
                 return
             assert self._chunks is not None
@@ -582,11 +613,11 @@ class FileSystemReader(_AtPath, StorageReader):
                 and tuple(target.shape) == tuple(sizes)
                 and bytes_are_values(target)
             ):
-                _read_exact(fd, raw_view(target), start, fqn, relative_path)
+                self._read_into(fd, raw_view(target), start, info, fqn, relative_path, checked)
                 planner.commit_tensor(req, target)
                 return
             stored = torch.empty(sizes, dtype=dtype)
-            _read_exact(fd, raw_view(stored), start, fqn, relative_path)
+            self._read_into(fd, raw_view(stored), start, info, fqn, relative_path, checked)
             if target.size() != stored.size():
                 raise RefdcpError(
                     f"read {fqn}: destination size {tuple(target.size())} != stored size {tuple(stored.size())}"
@@ -637,6 +668,36 @@ class FileSystemReader(_AtPath, StorageReader):
                 f"{req.storage_index.fqn}: {relative_path} holds {type(loaded)}, not a tensor"
             )
         copy_into_destination(planner, req, narrow(loaded, req.storage_offsets, req.lengths))
+
+    def _whole_or_verified(self, req: ReadItem, info: Any) -> bool:
+        """A read of a whole chunk, or of a chunk already checked during this load (LOAD-10)."""
+        if (info.relative_path, int(info.offset)) in self._verified:
+            return True
+        chunk = self._chunks.lookup(req.storage_index) if self._chunks is not None else None
+        return chunk is not None and whole_chunk(req, chunk[1])
+
+    @staticmethod
+    def _read_into(
+        fd: int, view: memoryview, start: int, info: Any, fqn: str, file: str, checked: bool
+    ) -> None:
+        if checked:
+            read_checked_into(fd, view, info, fqn, file)
+        else:
+            _read_exact(fd, view, start, fqn, file)
+
+
+def _refuse_torch_only_options(extensions: Any, serialization_format: Any) -> None:
+    """torch's stream transforms and safetensors format are not implemented: say so (API-10)."""
+    if extensions:
+        raise ValueError(
+            "refdcp's FileSystemWriter does not apply stream transforms (_extensions); "
+            "use torch's FileSystemWriter for them"
+        )
+    fmt = getattr(serialization_format, "value", serialization_format)
+    if fmt not in (None, "torch_save"):
+        raise ValueError(
+            f"refdcp's FileSystemWriter writes SerializationFormat.TORCH_SAVE only, not {fmt!r}"
+        )
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:

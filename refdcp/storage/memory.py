@@ -38,6 +38,7 @@ from refdcp.storage.errors import CheckpointExistsError, CorruptionError
 from refdcp.storage.filesystem import split_into_buckets
 from refdcp.storage.items import (
     ChunkIndex,
+    checksum_of,
     encode_bytes,
     encode_tensor,
     load_tensor_from_blob,
@@ -216,12 +217,16 @@ class MemoryReader(StorageReader):
         self.storage = storage
         self.checkpoint_id = checkpoint_id
         self.verify = False
+        self.verify_available = True
         self._snapshot: _Committed | None = None
         self._storage_data: dict[Any, Any] = {}
         self._chunks: ChunkIndex | None = None
 
-    def set_verify(self, verify: bool) -> None:
-        self.verify = verify
+    def set_verify(self, verify: bool | None) -> None:
+        """True: every item, checksums required (INTEG-4); None: items that carry one
+        (LOAD-10); False: none."""
+        self.verify = verify is True
+        self.verify_available = verify is not False
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
@@ -263,7 +268,7 @@ class MemoryReader(StorageReader):
                     "data file missing", fqn=fqn, file=info.relative_path, offset=0
                 )
             blob = memoryview(data)[info.offset : info.offset + info.length]
-            if self.verify:
+            if self.verify or (self.verify_available and checksum_of(info) is not None):
                 verify_blob(blob, info, fqn, info.relative_path)
             elif len(blob) != info.length:
                 raise CorruptionError(
