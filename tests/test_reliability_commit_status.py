@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def _state(rank: int) -> dict[str, Any]:
-    return {"w": torch.full((4,), float(rank)), f"own{rank}": torch.arange(3.0), "step": 5}
+    return {"w": torch.full((4,), 7.0), f"own{rank}": torch.arange(3.0), "step": 5}
 
 
 def _loads(path: Path) -> bool:
