@@ -57,7 +57,10 @@ spec-report:
 	$(BIN)/python -m refdcp.tools.spec_report
 
 bench:
+	# refdcp vs torch in one run, as ratios; JSON in benchmarks/results/, figures beside RESULTS.md
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[test,bench]"
 	$(BIN)/python -m benchmarks.run $(BENCH)
+	$(BIN)/python -m benchmarks.plots
 
 conformance:
 	# every ready-made backend: refdcp's, torch's, the example; writes conformance/reports/

@@ -219,7 +219,11 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="seconds between saves ('cold' memory: freed pages return from the host); 0 = warm",
     )
-    p.add_argument("--json", default=None, help="also write rows for benchmarks/plots.py here")
+    p.add_argument(
+        "--json",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "async.json"),
+        help="also write rows for benchmarks/plots.py here (benchmarks/plots.py draws from it; '' to skip)",
+    )
     p.add_argument("--steady", type=int, default=3)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -238,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in rows
         ]
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(
                 {"memcpy_gib_s": memcpy, "pause_s": args.pause, "rows": all_rows}, f, indent=1

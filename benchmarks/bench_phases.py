@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bytes", type=int, default=4096, help="bytes per tensor")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--before", default=None, help="another refdcp source tree to measure")
-    parser.add_argument("--json", default=None, help="also write the medians here")
+    parser.add_argument(
+        "--json",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "phases.json"),
+        help="also write the medians here (benchmarks/plots.py draws from it; '' to skip)",
+    )
     args = parser.parse_args(argv)
     elems = args.bytes // 4
     impls: list[tuple[str, str, str]] = [("refdcp", "refdcp", HERE), ("torch", "torch", HERE)]
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f" (before: {t / med['refdcp before'][f'{op} total']:.2f}x)", end="")
         print()
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"items": args.items, "bytes": args.bytes, "medians": med}, f, indent=1)
 

@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--items", type=int, default=500, help="items per rank")
     parser.add_argument("--kinds", nargs="+", default=["fsdp", "hsdp"])
     parser.add_argument("--repeats", type=int, default=1, help="runs per implementation and size")
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--json",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scale.json"),
+        help="also write the rows here (benchmarks/plots.py draws from it; '' to skip)",
+    )
     parser.add_argument(
         "--gc",
         choices=["as-run", "on", "off"],
@@ -228,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)
 

@@ -103,7 +103,11 @@ def test_allow_list_holds_no_code_running_callables() -> None:
 
 @pytest.mark.spec("LOAD-8", "LOAD-9")
 def test_refused_value_names_key_class_and_option(tmp_path: Path) -> None:
-    refdcp.save({"cfg": Config(), "color": Color.RED}, checkpoint_id=tmp_path, no_dist=True)
+    # the save must be told the classes are allowed (SAVE-12); a load without them refuses
+    saver = refdcp.DefaultSavePlanner(safe_globals=[Config, Color])
+    refdcp.save(
+        {"cfg": Config(), "color": Color.RED}, checkpoint_id=tmp_path, no_dist=True, planner=saver
+    )
     dest: dict[str, Any] = {"cfg": None}
     with pytest.raises(CheckpointError) as err:
         refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True)
@@ -124,7 +128,8 @@ def test_refused_value_names_key_class_and_option(tmp_path: Path) -> None:
 
 @pytest.mark.spec("LOAD-9")
 def test_refused_value_fails_every_rank(tmp_path: Path) -> None:
-    refdcp.save({"cfg": Config()}, checkpoint_id=tmp_path, no_dist=True)
+    saver = refdcp.DefaultSavePlanner(safe_globals=[Config])
+    refdcp.save({"cfg": Config()}, checkpoint_id=tmp_path, no_dist=True, planner=saver)
 
     def rank(comm: Any) -> str:
         with pytest.raises(CheckpointError) as err:

@@ -567,6 +567,8 @@ class FileSystemReader(_AtPath, StorageReader):
         """
         fqn = req.storage_index.fqn
         byte_io = req.type == LoadItemType.BYTE_IO
+        if not byte_io and (self._chunks is None or self._chunks.lookup(req.storage_index) is None):
+            raise RefdcpError(f"{fqn}: chunk {req.storage_index.offset} is not in the metadata")
         checked = self.verify or (self.verify_available and checksum_of(info) is not None)
         start = None if byte_io else self._data_start(fd, req, info)
         large = info.length >= INPLACE_MIN_BYTES and not byte_io
@@ -585,13 +587,13 @@ class FileSystemReader(_AtPath, StorageReader):
         if byte_io or start is None or (checked and (self.verify or partial)):
             blob = bytearray(info.length)
             got = _pread_into(fd, memoryview(blob), info.offset)
-            if checked:
-                self._verified.add((relative_path, int(info.offset)))
-                verify_blob(memoryview(blob)[:got], info, fqn, relative_path)
             if got != info.length:
                 raise CorruptionError(
                     "data file truncated", fqn=fqn, file=relative_path, offset=info.offset + got
                 )
+            if checked:
+                self._verified.add((relative_path, int(info.offset)))
+                verify_blob(memoryview(blob), info, fqn, relative_path)
             if byte_io:
                 planner.load_bytes(req, io.BytesIO(blob))
                 return
