@@ -10,13 +10,13 @@ checking one piece behind the reads.)
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import crc32c
 
 from .errors import CorruptionError
 from .items import checksum_of, data_offset_of
+from .paths import pread_into
 
 __all__ = ["PIECE_BYTES", "read_checked_into"]
 
@@ -24,19 +24,9 @@ __all__ = ["PIECE_BYTES", "read_checked_into"]
 PIECE_BYTES = 512 << 10
 
 
-def _pread(fd: int, view: memoryview, offset: int) -> int:
-    total = 0
-    while total < len(view):
-        n = os.preadv(fd, [view[total:]], offset + total)
-        if n == 0:
-            break
-        total += n
-    return total
-
-
 def _read_small(fd: int, n: int, offset: int, fqn: str, file: str) -> bytearray:
     buf = bytearray(n)
-    got = _pread(fd, memoryview(buf), offset)
+    got = pread_into(fd, memoryview(buf), offset)
     if got != n:
         raise CorruptionError("data file truncated", fqn=fqn, file=file, offset=offset + got)
     return buf
@@ -59,7 +49,7 @@ def read_checked_into(fd: int, view: memoryview, info: Any, fqn: str, file: str)
     pos, size = 0, len(view)
     while pos < size:
         piece = view[pos : pos + PIECE_BYTES]
-        got = _pread(fd, piece, start + pos)
+        got = pread_into(fd, piece, start + pos)
         if got != len(piece):
             raise CorruptionError(
                 "data file truncated", fqn=fqn, file=file, offset=start + pos + got

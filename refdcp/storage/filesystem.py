@@ -62,6 +62,7 @@ from refdcp.storage.items import (
 )
 from refdcp.storage.lock import SaveLock, acquire_save_lock
 from refdcp.storage.paths import check_data_name, open_data_file
+from refdcp.storage.paths import pread_into as _pread_into
 from refdcp.storage.safe_metadata import (
     dump_metadata,
     finalize_metadata,
@@ -700,16 +701,6 @@ def _refuse_torch_only_options(extensions: Any, serialization_format: Any) -> No
         raise ValueError(
             f"refdcp's FileSystemWriter writes SerializationFormat.TORCH_SAVE only, not {fmt!r}"
         )
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> int:
-    total = 0
-    while total < len(view):
-        n = os.preadv(fd, [view[total:]], offset + total)
-        if n == 0:
-            break
-        total += n
-    return total
 
 
 def _read_exact(fd: int, view: memoryview, offset: int, fqn: str, file: str) -> None:

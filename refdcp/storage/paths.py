@@ -19,7 +19,7 @@ from pathlib import Path
 from refdcp.storage.errors import UnsafePathError
 from refdcp.storage.layout import METADATA_NAME
 
-__all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact"]
+__all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact", "pread_into"]
 
 MAX_NAME_BYTES = 255
 
@@ -77,17 +77,22 @@ def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None =
     return fd
 
 
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; the bytes read (fewer only at end of file), never more."""
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
 def pread_exact(fd: int, length: int, offset: int) -> bytes:
     """Up to ``length`` bytes at ``offset`` (fewer only at end of file); never more."""
     out = bytearray(length)
-    view = memoryview(out)
-    got = 0
-    while got < length:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return bytes(view[:got])
+    got = pread_into(fd, memoryview(out), offset)
+    return bytes(out[:got])
 
 
 def _kind(mode: int) -> str:
