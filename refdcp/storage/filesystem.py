@@ -12,6 +12,7 @@ import os
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -74,6 +75,7 @@ from refdcp.storage.tensor_values import bytes_are_values
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 
 _FLUSH_BYTES = 4 << 20
+_relative_path = attrgetter("relative_path")
 _MAX_IOV = 512
 
 
@@ -426,9 +428,11 @@ class FileSystemWriter(_AtPath, StorageWriter):
     def _clean_up(self, storage_md: dict[Any, Any]) -> None:
         """Remove data and temp files the committed metadata does not reference (STORE-5),
         sparing files of any live save (STORE-30)."""
-        keep = {
-            info.relative_path for info in storage_md.values() if isinstance(info, _StorageInfo)
-        }
+        infos = storage_md.values()
+        if set(map(type, infos)) <= {_StorageInfo}:  # the common case, in C
+            keep = set(map(_relative_path, infos))
+        else:
+            keep = {info.relative_path for info in infos if isinstance(info, _StorageInfo)}
         reclaim_orphans(
             self.path,
             own_token="-",

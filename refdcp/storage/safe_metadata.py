@@ -18,6 +18,7 @@ import re
 import stat
 from collections import OrderedDict
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import crc32c
@@ -32,6 +33,7 @@ from refdcp.storage.errors import (
     UnsafeMetadataError,
 )
 from refdcp.storage.metadata_limits import MetadataLimits, get_metadata_limits
+from refdcp.storage.metadata_pickle import dumps_metadata
 
 __all__ = [
     "DCP_VERSION",
@@ -289,13 +291,17 @@ def read_metadata_file(path: str | os.PathLike[str], limits: MetadataLimits | No
 def dump_metadata(metadata: Metadata) -> bytes:
     """The bytes of a refdcp ``.metadata`` file: pickle + CRC-32C trailer (FMT-1, INTEG-2)."""
     setattr(metadata, FORMAT_ATTR, REFDCP_FORMAT)
-    body = pickle.dumps(metadata)
+    body = dumps_metadata(metadata)  # pickle.dumps(metadata), byte for byte
     return body + TRAILER_PREFIX + b"%08x\n" % crc32c.crc32c(body)
 
 
 def has_checksum_trailer(data: bytes) -> bool:
     """Whether ``.metadata`` bytes end with refdcp's checksum trailer (not whether it matches)."""
     return _TRAILER.search(data[-_TRAILER_LEN:]) is not None
+
+
+_index = attrgetter("index")
+_storage_data = attrgetter("storage_data")
 
 
 def finalize_metadata(
@@ -308,9 +314,8 @@ def finalize_metadata(
     """
     metadata.version = DCP_VERSION
     storage_md: dict[Any, Any] = {}
-    for rank_results in results:
-        for wr in rank_results:
-            storage_md[wr.index] = wr.storage_data
+    for rank_results in results:  # later results win, as in a loop of assignments
+        storage_md.update(zip(map(_index, rank_results), map(_storage_data, rank_results)))
     metadata.storage_data = storage_md
     metadata.storage_meta = storage_meta
     return storage_md
