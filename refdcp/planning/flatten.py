@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import filterfalse, pairwise
 from typing import Any
 
 import torch
@@ -58,6 +58,8 @@ class Flattened:
     paths: dict[str, TorchPath] = field(default_factory=dict)
     rich: dict[str, RichPath] = field(default_factory=dict)
     empties: list[RichPath] = field(default_factory=list)
+    #: FQNs whose rich path is known to be the plain reading of their torch path
+    plain: set[str] = field(default_factory=set)
 
 
 def _list_descends(value: list[Any]) -> bool:
@@ -103,7 +105,7 @@ def flatten_state_dict(state_dict: Mapping[Any, Any]) -> Flattened:
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"a state_dict must be a mapping, got {type(state_dict).__name__}")
     out = Flattened()
-    items, paths, rich = out.items, out.paths, out.rich
+    items, paths, rich, plain = out.items, out.paths, out.rich, out.plain
     for key, value in state_dict.items():
         if type(key) is str and type(value) in _PLAIN_LEAVES and key not in items:
             # the common top-level tensor: what _visit would record, without its checks
@@ -112,6 +114,7 @@ def flatten_state_dict(state_dict: Mapping[Any, Any]) -> Flattened:
             items[key] = value
             paths[key] = (key,)
             rich[key] = (("d", key),)
+            plain.add(key)
             continue
         _visit(out, (str(key),), (("d", _kept_key(key)),), value)
     return out
@@ -164,7 +167,12 @@ def encode_structure(flat: Flattened) -> dict[str, Any]:
     Only paths that differ from the plain reading of the torch path are kept,
     so a state dict of string keys and lists costs nothing.
     """
-    rich = {fqn: rp for fqn, rp in flat.rich.items() if rp != _plain_rich(flat.paths[fqn])}
+    known = flat.plain
+    rich: dict[str, RichPath] = {}
+    for fqn in filterfalse(known.__contains__, flat.rich) if known else flat.rich:
+        rp = flat.rich[fqn]
+        if rp != _plain_rich(flat.paths[fqn]):
+            rich[fqn] = rp
     return {"version": 1, "rich": rich, "empties": list(flat.empties)}
 
 

@@ -83,6 +83,8 @@ def loadability_problem(value: Any, safe_globals: Sequence[Any] = ()) -> str | N
 
 
 _PRIMITIVES = (int, float, bool, str, bytes, complex, type(None))
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
 
 
 def _plain_data(value: Any, budget: list[int]) -> bool:
@@ -145,6 +147,8 @@ def refuse_unloadable(
     """Check every flattened value; raise one :class:`UnloadableValueError` listing all (SAVE-12)."""
     problems = []
     for key, value in items.items():
+        if type(value) in _PLAIN_TENSORS and not value.is_meta and value.layout == _STRIDED:
+            continue  # a dense plain tensor: _tensor_problem's answer, without the calls
         why = loadability_problem(value, safe_globals)
         if why is not None:
             path = list(paths[key]) if paths is not None and key in paths else None

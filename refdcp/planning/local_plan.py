@@ -5,10 +5,13 @@ Pure functions over a flattened state dict; no storage, no process group.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import pickle
 from collections.abc import Iterable, Mapping
+from itertools import filterfalse
+from operator import attrgetter
 from typing import Any
 
 import crc32c
@@ -31,6 +34,7 @@ __all__ = [
     "item_key",
     "may_be_replicated",
     "object_write_items",
+    "plain_tensor_item",
     "plan_digest",
     "replica_checksums",
     "save_items",
@@ -47,6 +51,8 @@ def item_key(item: WriteItem) -> ItemKey:
 
 def object_write_items(fqn: str, obj: object) -> list[WriteItem]:
     """The write items of one flattened value (PLAN-1, PLAN-2)."""
+    if type(obj) in _PLAIN_TENSORS:
+        return [plain_tensor_item(fqn, obj)]  # type: ignore[arg-type]
     if isinstance(obj, DTensor):
         if any(p.is_partial() for p in obj.placements):
             raise ValueError(
@@ -95,6 +101,83 @@ def object_write_items(fqn: str, obj: object) -> list[WriteItem]:
     return [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)]
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_new = object.__new__
+_set = object.__setattr__
+_TENSOR = WriteItemType.TENSOR
+_ZERO_OFFSETS: dict[int, torch.Size] = {}
+_PROPERTIES: dict[tuple[Any, ...], TensorProperties] = {}
+
+
+def _fields_are(cls: type, names: tuple[str, ...]) -> bool:
+    """True when ``cls`` is still the plain dataclass with these fields that the fast path builds."""
+    return (
+        dataclasses.is_dataclass(cls)
+        and tuple(f.name for f in dataclasses.fields(cls)) == names
+        and not hasattr(cls, "__post_init__")
+        and "__slots__" not in vars(cls)
+    )
+
+
+#: the fast path builds torch's records by setting their fields (frozen dataclasses refuse
+#: ``setattr``); it is used only while the installed torch's classes are the ones it knows
+_FAST_RECORDS = (
+    _fields_are(MetadataIndex, ("fqn", "offset", "index"))
+    and _fields_are(ChunkStorageMetadata, ("offsets", "sizes"))
+    and _fields_are(TensorWriteData, ("chunk", "properties", "size"))
+    and _fields_are(WriteItem, ("index", "type", "bytes_io_data", "tensor_data"))
+)
+
+
+def _zero_offset(dim: int) -> torch.Size:
+    off = _ZERO_OFFSETS.get(dim)
+    if off is None:
+        off = _ZERO_OFFSETS[dim] = torch.Size([0] * dim)
+    return off
+
+
+def _properties(t: torch.Tensor) -> TensorProperties:
+    """``TensorProperties.create_from_tensor(t)``, one shared object per distinct value (META-8)."""
+    key = (t.dtype, t.layout, t.requires_grad, t.is_pinned())
+    props = _PROPERTIES.get(key)
+    if props is None:
+        props = TensorProperties.create_from_tensor(t)
+        if len(_PROPERTIES) > 1024:
+            _PROPERTIES.clear()
+        _PROPERTIES[key] = props
+    return props
+
+
+def plain_tensor_item(fqn: str, t: torch.Tensor) -> WriteItem:
+    """The TENSOR item of a plain tensor (PLAN-1): equal to the one torch's constructors build.
+
+    Equal values share objects (the zero offsets, the properties; META-8), so
+    the pickled ``.metadata`` stores them once.
+    """
+    size = t.size()
+    off = _zero_offset(len(size))
+    props = _properties(t)
+    if not _FAST_RECORDS:
+        chunk = ChunkStorageMetadata(offsets=off, sizes=size)
+        index = MetadataIndex(fqn, off)
+        _set(index, "offset", off)  # torch's constructor copies it; keep the shared one
+        data = TensorWriteData(chunk=chunk, properties=props, size=size)
+        return WriteItem(index=index, type=_TENSOR, tensor_data=data)
+    chunk = _new(ChunkStorageMetadata)
+    _set(chunk, "__dict__", {"offsets": off, "sizes": size})
+    index = _new(MetadataIndex)
+    _set(index, "__dict__", {"fqn": fqn, "index": None, "offset": off})  # torch's field order
+    data = _new(TensorWriteData)
+    _set(data, "__dict__", {"chunk": chunk, "properties": props, "size": size})
+    item = _new(WriteItem)
+    _set(
+        item,
+        "__dict__",
+        {"index": index, "type": _TENSOR, "bytes_io_data": None, "tensor_data": data},
+    )
+    return item
+
+
 def _empty_shard(item: WriteItem) -> bool:
     td = item.tensor_data
     return item.type == WriteItemType.SHARD and td is not None and 0 in td.chunk.sizes
@@ -104,10 +187,11 @@ def chunkless_tensors(
     flat: Mapping[str, Any], items: Iterable[WriteItem]
 ) -> dict[str, tuple[TensorProperties, torch.Size]]:
     """Sharded values for which this rank plans no chunk: their dtype and global shape (META-1)."""
-    planned = {i.index.fqn for i in items}
+    planned = set(map(_fqn_of, items))
     out: dict[str, tuple[TensorProperties, torch.Size]] = {}
-    for fqn, obj in flat.items():
-        if fqn in planned or not isinstance(obj, (torch.Tensor, ShardedTensor)):
+    for fqn in filterfalse(planned.__contains__, flat):  # in C: usually none is left
+        obj = flat[fqn]
+        if not isinstance(obj, (torch.Tensor, ShardedTensor)):
             continue
         if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
             continue
@@ -120,9 +204,16 @@ def chunkless_tensors(
 def save_items(flat: Mapping[str, Any]) -> list[WriteItem]:
     """All write items of a flattened state dict, in key order (PLAN-1)."""
     items: list[WriteItem] = []
+    append, extend = items.append, items.extend
     for fqn, obj in flat.items():
-        items.extend(object_write_items(fqn, obj))
+        if type(obj) in _PLAIN_TENSORS:
+            append(plain_tensor_item(fqn, obj))
+        else:
+            extend(object_write_items(fqn, obj))
     return items
+
+
+_fqn_of = attrgetter("index.fqn")
 
 
 def chunk_nbytes(item: WriteItem) -> int:
@@ -157,10 +248,34 @@ def _signature(item: WriteItem) -> tuple[Any, ...]:
     )
 
 
+#: repr of ``_signature(item)[2:]`` (type, chunk sizes, dtype, global size) by their objects
+_SIG_TAILS: dict[tuple[Any, ...], str] = {}
+
+
+def _signature_repr(item: WriteItem) -> str:
+    """``repr(_signature(item))``, the parts shared by many items formatted once."""
+    td = item.tensor_data
+    if td is None:
+        return repr(_signature(item))
+    offset = item.index.offset
+    key = (item.type, td.chunk.sizes, td.properties.dtype, td.size, offset)
+    tail = _SIG_TAILS.get(key)
+    if tail is None:
+        sig = _signature(item)
+        tail = repr(sig[1:])[1:]  # "offset, type, sizes, dtype, size)"
+        if len(_SIG_TAILS) > 4096:
+            _SIG_TAILS.clear()
+        _SIG_TAILS[key] = tail
+    return f"({item.index.fqn!r}, {tail}"
+
+
 def plan_digest(items: Iterable[WriteItem], checksums: Mapping[Any, int] | None = None) -> str:
-    """A digest of the items' keys, shapes, dtypes (and value checksums): equal plans, equal digests."""
+    """A digest of the items' keys, shapes, dtypes (and value checksums): equal plans, equal digests.
+
+    The digested text is ``repr([_signature(i) for i in items])``.
+    """
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr([_signature(i) for i in items]).encode())
+    h.update(("[" + ", ".join(map(_signature_repr, items)) + "]").encode())
     if checksums:
         h.update(repr(sorted(checksums.items(), key=repr)).encode())
     return h.hexdigest()
