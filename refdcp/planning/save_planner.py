@@ -36,6 +36,8 @@ from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structu
 
 __all__ = ["DefaultSavePlanner"]
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 class DefaultSavePlanner(SavePlanner):
     """Flatten, plan every chunk on every rank, dedup on the coordinator, validate (PLAN-1).
@@ -310,6 +312,9 @@ class DefaultSavePlanner(SavePlanner):
             torch.save(obj, buf)
             buf.seek(0)
             return buf
+        if type(obj) in _PLAIN_TENSORS and not obj.requires_grad:
+            plain: torch.Tensor = obj
+            return plain  # nothing to detach from: the chunk is the tensor itself
         return resolve_tensor_chunk(obj, write_item.index).detach()
 
 

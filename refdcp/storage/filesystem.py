@@ -64,12 +64,14 @@ from refdcp.storage.items import (
 from refdcp.storage.lock import SaveLock, acquire_save_lock
 from refdcp.storage.paths import check_data_name, open_data_file
 from refdcp.storage.paths import pread_into as _pread_into
+from refdcp.storage.records import storage_info, write_result
 from refdcp.storage.safe_metadata import (
     dump_metadata,
     finalize_metadata,
     load_metadata,
     read_metadata_file,
 )
+from refdcp.storage.small_tensors import small_tensor_parts
 from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
@@ -144,15 +146,37 @@ class _FileOut:
         if keepalive is not None:
             self.keep.append(keepalive)
 
+    def write_small(self, head: bytes, data: Any, tail: bytes, length: int, owner: Any) -> None:
+        """Queue one small item's three parts (``length`` bytes in all, under ``_FLUSH_BYTES``);
+        ``owner`` owns the memory of ``data``."""
+        self.pending += (head, data, tail)
+        self.keep.append(owner)  # before a flush, which writes these parts, then drops it
+        self.position += length
+        self.pending_bytes += length
+        if self.pending_bytes >= _FLUSH_BYTES or len(self.pending) >= _MAX_IOV:
+            self.flush()
+
     def flush(self) -> None:
         if self.pending:
-            self._write_all(self.pending)
+            self._write_all(self.pending, self.pending_bytes)
             self.pending = []
             self.pending_bytes = 0
         self.keep.clear()
 
-    def _write_all(self, parts: list[Any]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
+    def _write_all(self, parts: list[Any], total: int | None = None) -> None:
+        if total is not None:
+            written = os.writev(self.fd, parts)
+            if written == total:
+                return
+            # a short write: go on from where it stopped, part by part
+            views = [memoryview(p).cast("B") for p in parts]
+            while views and written >= len(views[0]):
+                written -= len(views[0])
+                views.pop(0)
+            if views and written:
+                views[0] = views[0][written:]
+        else:
+            views = [memoryview(p).cast("B") for p in parts]
         while views:
             written = os.writev(self.fd, views)
             while views and written >= len(views[0]):
@@ -364,8 +388,9 @@ class FileSystemWriter(_AtPath, StorageWriter):
             ordered = [i for i in items if i.type == WriteItemType.BYTE_IO] + [
                 i for i in items if i.type != WriteItemType.BYTE_IO
             ]
+            resolve, append = planner.resolve_data, results.append
             for item in ordered:
-                data = planner.resolve_data(item)
+                data = resolve(item)
                 enc: Encoded
                 if item.type == WriteItemType.BYTE_IO:
                     if not isinstance(data, io.BytesIO | bytes):
@@ -374,13 +399,19 @@ class FileSystemWriter(_AtPath, StorageWriter):
                 else:
                     if not isinstance(data, torch.Tensor):
                         raise RefdcpError(f"{item.index.fqn}: tensor item resolved to {type(data)}")
+                    small = small_tensor_parts(data)
+                    if small is not None:  # the same bytes as encode_tensor, fewer objects
+                        head, raw, tail, length, crc, data_offset = small
+                        offset = out.position
+                        out.write_small(head, raw, tail, length, data)
+                        info = storage_info(name, offset, length, crc, data_offset)
+                        append(write_result(item.index, length, info))
+                        continue
                     enc = encode_tensor(data)
                 offset = out.position
                 out.write(enc.parts, enc)
                 info = make_storage_info(name, offset, enc)
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=enc.length, storage_data=info)
-                )
+                append(write_result(item.index, enc.length, info))
             out.flush()
             if self.sync_files:
                 os.fsync(fd)

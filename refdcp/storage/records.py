@@ -1,0 +1,76 @@
+"""torch's per-item write records built directly from their field values (INTEG-1, STORE-8).
+
+``WriteResult`` is a frozen dataclass and ``_StorageInfo`` a plain one; a
+save of many small tensors builds one of each per item, and their generated
+``__init__`` (plus refdcp's two extra attributes on ``_StorageInfo``) costs
+more than the item's framing. These builders set the same fields in the same
+order (``_StorageInfo``'s ``transform_descriptors`` stays at its class default
+None, which its ``__getstate__`` leaves out of the pickle anyway). They are
+used only while the installed torch's classes have the fields they know;
+otherwise they call the constructors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from refdcp.storage.items import CRC_ATTR, DATA_OFFSET_ATTR
+
+__all__ = ["storage_info", "write_result"]
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _fields_are(cls: type, names: tuple[str, ...]) -> bool:
+    return (
+        dataclasses.is_dataclass(cls)
+        and tuple(f.name for f in dataclasses.fields(cls)) == names
+        and not hasattr(cls, "__post_init__")
+        and "__slots__" not in vars(cls)
+    )
+
+
+FAST = (
+    _fields_are(_StorageInfo, ("relative_path", "offset", "length", "transform_descriptors"))
+    and getattr(_StorageInfo, "transform_descriptors", 0) is None
+    and _fields_are(WriteResult, ("index", "size_in_bytes", "storage_data"))
+)
+
+
+def storage_info(
+    relative_path: str, offset: int, length: int, crc: int, data_offset: int | None
+) -> _StorageInfo:
+    """``_StorageInfo(relative_path, offset, length)`` with refdcp's CRC-32C and data offset
+    (INTEG-1, FMT-3); the same object :func:`refdcp.storage.items.make_storage_info` builds."""
+    if not FAST:
+        info = _StorageInfo(relative_path, offset, length)
+        setattr(info, CRC_ATTR, crc)
+        if data_offset is not None:
+            setattr(info, DATA_OFFSET_ATTR, data_offset)
+        return info
+    info = _new(_StorageInfo)
+    state: dict[str, Any] = {
+        "relative_path": relative_path,
+        "offset": offset,
+        "length": length,
+        CRC_ATTR: crc,
+    }
+    if data_offset is not None:
+        state[DATA_OFFSET_ATTR] = data_offset
+    _set(info, "__dict__", state)
+    return info
+
+
+def write_result(index: MetadataIndex, size_in_bytes: int, data: Any) -> WriteResult:
+    """``WriteResult(index=..., size_in_bytes=..., storage_data=...)``."""
+    if not FAST:
+        return WriteResult(index=index, size_in_bytes=size_in_bytes, storage_data=data)
+    result = _new(WriteResult)
+    _set(result, "__dict__", {"index": index, "size_in_bytes": size_in_bytes, "storage_data": data})
+    return result

@@ -1,0 +1,82 @@
+"""The small-tensor write path writes exactly what ``encode_tensor`` frames (FMT-3, INTEG-1, SAVE-10)."""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+import refdcp
+from refdcp.storage.items import encode_tensor, make_storage_info
+from refdcp.storage.records import FAST, storage_info, write_result
+from refdcp.storage.small_tensors import SMALL_MAX_BYTES, small_tensor_parts
+
+PLAIN = [
+    torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    torch.tensor(3.5, dtype=torch.float64),
+    torch.arange(10, dtype=torch.int8)[2:7],  # a contiguous view at a storage offset
+    torch.ones(3, 4, dtype=torch.bfloat16).requires_grad_(),
+    torch.nn.Parameter(torch.full((5,), 2.0)),
+]
+NOT_SMALL = [
+    torch.zeros(0),  # empty
+    torch.arange(12.0).reshape(3, 4).t(),  # not contiguous: bytes are not the values
+    torch.tensor([1 + 2j, 3 - 1j]).conj(),  # conjugate view
+    torch.zeros(SMALL_MAX_BYTES // 4),  # too large for the small path
+    torch.zeros(3, device="meta"),
+]
+
+
+def _bytes(parts: list[object]) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # type: ignore[arg-type]
+
+
+@pytest.mark.spec("FMT-3", "INTEG-1")
+@pytest.mark.parametrize("t", PLAIN, ids=lambda t: f"{t.dtype}{tuple(t.shape)}")
+def test_small_parts_equal_encode_tensor(t: torch.Tensor) -> None:
+    small = small_tensor_parts(t)
+    assert small is not None
+    head, data, tail, length, crc, data_offset = small
+    enc = encode_tensor(t)
+    assert _bytes([head, data, tail]) == _bytes(enc.parts)
+    assert (length, crc, data_offset) == (enc.length, enc.final_crc(), enc.data_offset)
+
+
+@pytest.mark.spec("SAVE-10")
+@pytest.mark.parametrize("t", NOT_SMALL, ids=lambda t: f"{t.dtype}{tuple(t.shape)}{t.device}")
+def test_tensors_whose_bytes_are_not_plain_values_take_encode_tensor(t: torch.Tensor) -> None:
+    assert small_tensor_parts(t) is None
+
+
+@pytest.mark.spec("INTEG-1")
+def test_records_equal_torchs_constructors() -> None:
+    assert FAST
+    enc = encode_tensor(torch.ones(4))
+    fast = storage_info("__0_0.distcp", 64, enc.length, enc.final_crc(), enc.data_offset)
+    slow = make_storage_info("__0_0.distcp", 64, enc)
+    assert fast == slow and vars(fast) == {k: v for k, v in vars(slow).items() if v is not None}
+    assert pickle.dumps(fast) == pickle.dumps(slow)  # torch's __getstate__ drops the None
+    idx = MetadataIndex("w", [0])
+    assert write_result(idx, 5, fast) == WriteResult(index=idx, size_in_bytes=5, storage_data=slow)
+    assert isinstance(fast, _StorageInfo) and fast.transform_descriptors is None
+
+
+@pytest.mark.spec("SAVE-10", "LOAD-10")
+def test_mixed_small_and_other_tensors_round_trip_through_torch() -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd = {f"p{i}": t for i, t in enumerate(PLAIN + NOT_SMALL[:4])}
+    expected = {k: v.detach().resolve_conj() for k, v in sd.items()}
+    with tempfile.TemporaryDirectory() as d:
+        refdcp.save(sd, checkpoint_id=d, no_dist=True)
+        ours = {k: torch.zeros_like(v) for k, v in expected.items()}
+        refdcp.load(ours, checkpoint_id=d, no_dist=True)  # every checksum checked (LOAD-10)
+        theirs = {k: torch.zeros_like(v) for k, v in expected.items()}
+        dcp.load(theirs, storage_reader=dcp.FileSystemReader(d), no_dist=True)
+    for k, v in expected.items():
+        assert torch.equal(ours[k], v) and torch.equal(theirs[k], v), k
