@@ -127,6 +127,11 @@ def save(
     try:
         with gc_paused():
             result: Metadata = drive(SAVE, ctx, c, fault=fault, observer=observer)
+            # drop the plans and write results (and a planner made here) while the collector
+            # is still paused: freed by reference counting now, not traversed by its first pass
+            ctx.slots.clear()
+            if planner is None:
+                ctx.planner = None
     except BaseException:
         from refdcp.storage.cleanup import abort_writer
 

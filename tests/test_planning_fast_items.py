@@ -117,3 +117,27 @@ def test_chunkless_tensors_lists_only_unplanned_tensors() -> None:
     assert chunkless_tensors(flat.items, only_a) == {
         "b": (TensorProperties(dtype=torch.int8), torch.Size([3]))
     }
+
+
+@pytest.mark.spec("DEDUP-8", "DEDUP-13")
+def test_the_coordinator_digests_its_plan_only_beside_other_ranks() -> None:
+    from refdcp.planning import DefaultSavePlanner
+    from refdcp.planning.flatten import RESERVED_KEY
+
+    sd = {"w": torch.ones(3), "b": torch.zeros(2)}
+    solo = DefaultSavePlanner()
+    solo.set_up_planner(sd, None, True)
+    plan = solo.create_local_plan()
+    assert plan.planner_data[RESERVED_KEY]["digest"] is None  # one rank: never needed
+    (final,), md = solo.create_global_plan([plan])
+    assert len(final.items) == 2 and set(md.state_dict_metadata) == {"w", "b"}
+
+    planners = [DefaultSavePlanner() for _ in range(2)]
+    for rank, p in enumerate(planners):
+        p.set_up_planner(sd, None, rank == 0)
+    plans = [p.create_local_plan() for p in planners]
+    coordinator_extra = plans[0].planner_data[RESERVED_KEY]
+    assert coordinator_extra["digest"] is None
+    finals, _ = planners[0].create_global_plan(plans)
+    assert coordinator_extra["digest"] == plan_digest(plans[0].items)  # as its local plan had it
+    assert sorted(len(f.items) for f in finals) == [1, 1]  # the replicated items split (DEDUP-2)

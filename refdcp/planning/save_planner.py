@@ -145,7 +145,10 @@ class DefaultSavePlanner(SavePlanner):
         data: dict[str, Any] = dict(self.flat.paths)
         data[RESERVED_KEY] = {
             **encode_structure(self.flat),
-            "digest": plan_digest(items, sums),
+            # the coordinator's digest only matters beside other ranks' plans: it is computed
+            # in create_global_plan when there are any (DEDUP-8)
+            "digest": None if self.is_coordinator else plan_digest(items, sums),
+            "deferred_digest": self._token if self.is_coordinator else None,
             "checksums": sums,
             "chunkless": chunkless_tensors(self.flat.items, items),
             # the coordinator digests only its items other ranks hold, in create_global_plan
@@ -217,10 +220,14 @@ class DefaultSavePlanner(SavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         extras = [_extras(p) for p in all_plans]
+        self._fill_deferred_digest(all_plans, extras)
+        digests = [e.get("digest") for e in extras]
+        if len(all_plans) == 1 and digests[0] is None:
+            digests = ["the only rank"]  # one plan: nothing to group it with
         self._fill_deferred_checksums(all_plans, extras)
         result = dedup_items(
             [p.items for p in all_plans],
-            digests=[e.get("digest") for e in extras],
+            digests=digests,
             checksums=[e.get("checksums") for e in extras],
             coordinator_rank=self.coordinator_rank,
             bytes_on_coordinator=self.bytes_on_coordinator,
@@ -257,6 +264,17 @@ class DefaultSavePlanner(SavePlanner):
             for p, items in zip(all_plans, result.plans)
         ]
         return plans, metadata
+
+    def _fill_deferred_digest(
+        self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
+    ) -> None:
+        """The coordinator's plan digest (without value checksums, as its local plan defers
+        them), computed only when other ranks' plans may equal it (DEDUP-8)."""
+        if len(all_plans) == 1:
+            return
+        for plan, e in zip(all_plans, extras):
+            if e.get("deferred_digest") == self._token and e.get("digest") is None:
+                e["digest"] = plan_digest(plan.items, None)  # in place: the plan cache reads it
 
     def _fill_deferred_checksums(
         self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
@@ -346,7 +364,8 @@ def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
     extra.update(
         checksums=marker.get("checksums"),
         deferred_checksums=marker.get("deferred_checksums"),
-        digest=None,
+        digest=None,  # dedup digests it with this save's checksums
+        deferred_digest=None,
     )
     data[RESERVED_KEY] = extra
     return dataclasses.replace(cached, planner_data=data)
