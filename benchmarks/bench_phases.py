@@ -85,9 +85,16 @@ def _child_main(impl: str, items: int, elems: int) -> dict[str, float]:
 
 def _run_child(impl: str, items: int, elems: int, tree: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    # ``python -c`` puts the working directory (this tree) first on sys.path: the measured
+    # tree goes before it, and the child checks which refdcp it imported
     code = (
-        "import json, sys; from benchmarks.bench_phases import _child_main; "
-        f"print(json.dumps(_child_main({impl!r}, {items}, {elems})))"
+        f"import json, os, sys; sys.path.insert(0, {HERE!r}); "
+        "from benchmarks.bench_phases import _child_main; "
+        f"sys.path.insert(0, {tree!r}); "
+        f"out = _child_main({impl!r}, {items}, {elems}); "
+        f"import refdcp; here = os.path.realpath(os.path.dirname(refdcp.__file__)); "
+        f"assert {impl!r} == 'torch' or here == os.path.realpath(os.path.join({tree!r}, 'refdcp')), here; "
+        "print(json.dumps(out))"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE, check=False

@@ -11,7 +11,6 @@ import math
 import pickle
 from collections.abc import Iterable, Mapping
 from itertools import filterfalse
-from operator import attrgetter
 from typing import Any
 
 import crc32c
@@ -187,7 +186,7 @@ def chunkless_tensors(
     flat: Mapping[str, Any], items: Iterable[WriteItem]
 ) -> dict[str, tuple[TensorProperties, torch.Size]]:
     """Sharded values for which this rank plans no chunk: their dtype and global shape (META-1)."""
-    planned = set(map(_fqn_of, items))
+    planned = {i.index.fqn for i in items}
     out: dict[str, tuple[TensorProperties, torch.Size]] = {}
     for fqn in filterfalse(planned.__contains__, flat):  # in C: usually none is left
         obj = flat[fqn]
@@ -211,9 +210,6 @@ def save_items(flat: Mapping[str, Any]) -> list[WriteItem]:
         else:
             extend(object_write_items(fqn, obj))
     return items
-
-
-_fqn_of = attrgetter("index.fqn")
 
 
 def chunk_nbytes(item: WriteItem) -> int:
