@@ -247,7 +247,14 @@ def safe_loads(data: bytes, limits: MetadataLimits | None = None) -> Any:
     """
     limits = limits or get_metadata_limits()
     budget = _Budget(len(data) + limits.slack_units)
-    return _RestrictedUnpickler(io.BytesIO(data), budget, limits).load()
+    unpickler = _RestrictedUnpickler(io.BytesIO(data), budget, limits)
+    try:
+        return unpickler.load()
+    finally:
+        # its makers (memoized by the pickle too) refer back to it: left in that cycle, the
+        # memo would keep every object of the metadata alive until the cyclic collector ran
+        unpickler.memo.clear()
+        unpickler._classes.clear()
 
 
 def read_metadata_file(path: str | os.PathLike[str], limits: MetadataLimits | None = None) -> bytes:
