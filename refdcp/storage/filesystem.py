@@ -69,6 +69,7 @@ from refdcp.storage.safe_metadata import (
     load_metadata,
     read_metadata_file,
 )
+from refdcp.storage.small_reads import SmallItem, batches_items, read_small_items
 from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
@@ -519,8 +520,9 @@ class FileSystemReader(_AtPath, StorageReader):
             fd = open_data_file(self.path, relative_path)  # STORE-27: regular files only
             try:
                 size = os.fstat(fd).st_size
+                prepared: list[tuple[ReadItem, Any, SmallItem | None]] = []
                 for offset, req, info in reqs:
-                    self._check_chunk_fits(req, info, relative_path)
+                    chunk = self._check_chunk_fits(req, info, relative_path)
                     if offset + info.length > size:
                         raise CorruptionError(
                             f"data file truncated ({size} bytes, item needs {offset + info.length})",
@@ -528,23 +530,25 @@ class FileSystemReader(_AtPath, StorageReader):
                             file=relative_path,
                             offset=min(size, offset + info.length),
                         )
-                for _, req, info in reqs:
-                    self._read_item(fd, relative_path, req, info, planner)
+                    prepared.append((req, info, self._small_item(req, info, chunk)))
+                self._read_items(fd, relative_path, prepared, planner)
             finally:
                 os.close(fd)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _check_chunk_fits(self, req: ReadItem, info: Any, relative_path: str) -> None:
+    def _check_chunk_fits(
+        self, req: ReadItem, info: Any, relative_path: str
+    ) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """Refuse a chunk whose stated shape needs more bytes than its stored length,
-        before allocating anything for it (STORE-28)."""
+        before allocating anything for it (STORE-28); the chunk's (dtype, sizes)."""
         if req.type == LoadItemType.BYTE_IO or self._chunks is None:
-            return
+            return None
         chunk = self._chunks.lookup(req.storage_index)
         data_offset = data_offset_of(info)
         if chunk is None or data_offset is None:
-            return
+            return chunk
         dtype, sizes = chunk
         need = data_offset + math.prod(sizes) * dtype.itemsize
         if need > info.length:
@@ -554,6 +558,42 @@ class FileSystemReader(_AtPath, StorageReader):
                 file=relative_path,
                 offset=info.offset,
             )
+        return chunk
+
+    def _small_item(
+        self, req: ReadItem, info: Any, chunk: tuple[torch.dtype, tuple[int, ...]] | None
+    ) -> SmallItem | None:
+        """A small refdcp-framed whole-chunk read for the run reader, else None (STORE-47)."""
+        if chunk is None or self.verify or info.length >= INPLACE_MIN_BYTES:
+            return None
+        data_offset = data_offset_of(info)
+        dtype, sizes = chunk
+        if data_offset is None or req.lengths != sizes or any(req.storage_offsets):
+            return None
+        crc = checksum_of(info) if self.verify_available else None
+        return SmallItem(req, int(info.offset), int(info.length), data_offset, dtype, sizes, crc)
+
+    def _read_items(
+        self,
+        fd: int,
+        relative_path: str,
+        prepared: list[tuple[ReadItem, Any, SmallItem | None]],
+        planner: LoadPlanner,
+    ) -> None:
+        """Deliver one file's items in offset order: small ones in runs (STORE-47), others
+        one by one."""
+        batch = any(small is not None for _, _, small in prepared) and batches_items(planner)
+        run: list[SmallItem] = []
+        for req, info, small in prepared:
+            if small is not None:
+                run.append(small)
+                continue
+            if run:
+                read_small_items(fd, relative_path, run, planner, batch)
+                run = []
+            self._read_item(fd, relative_path, req, info, planner)
+        if run:
+            read_small_items(fd, relative_path, run, planner, batch)
 
     def _read_item(
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner
