@@ -163,6 +163,12 @@ class DefaultLoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """A view of the destination chunk narrowed to the read's box (RESHARD-1)."""
         obj = self.flat.items[read_item.dest_index.fqn]
+        if (
+            type(obj) in _PLAIN_TENSORS
+            and read_item.lengths == obj.shape
+            and not any(read_item.dest_offsets)
+        ):
+            return obj  # a whole plain tensor: nothing to narrow
         if isinstance(obj, DTensor):
             t = obj.to_local()
         else:

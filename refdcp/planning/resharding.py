@@ -41,11 +41,12 @@ def whole_tensor_read(fqn: str, saved: object) -> ReadItem | None:
         zeros = _ZEROS.setdefault(ndim, torch.Size([0] * ndim))
     if ndim == 0 or chunk.sizes != size or chunk.offsets != zeros or 0 in size:
         return None
+    index = MetadataIndex(fqn, zeros, 0)  # immutable: the same key for both sides
     return ReadItem(
         type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex(fqn, zeros, 0),
+        dest_index=index,
         dest_offsets=zeros,
-        storage_index=MetadataIndex(fqn, zeros, 0),
+        storage_index=index,
         storage_offsets=zeros,
         lengths=size,
     )

@@ -522,7 +522,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 size = os.fstat(fd).st_size
                 prepared: list[tuple[ReadItem, Any, SmallItem | None]] = []
                 for offset, req, info in reqs:
-                    chunk = self._check_chunk_fits(req, info, relative_path)
+                    chunk, data_offset = self._check_chunk_fits(req, info, relative_path)
                     if offset + info.length > size:
                         raise CorruptionError(
                             f"data file truncated ({size} bytes, item needs {offset + info.length})",
@@ -530,7 +530,10 @@ class FileSystemReader(_AtPath, StorageReader):
                             file=relative_path,
                             offset=min(size, offset + info.length),
                         )
-                    prepared.append((req, info, self._small_item(req, info, chunk)))
+                    small = None
+                    if chunk is not None and data_offset is not None:
+                        small = self._small_item(req, info, chunk, data_offset)
+                    prepared.append((req, info, small))
                 self._read_items(fd, relative_path, prepared, planner)
             finally:
                 os.close(fd)
@@ -540,15 +543,16 @@ class FileSystemReader(_AtPath, StorageReader):
 
     def _check_chunk_fits(
         self, req: ReadItem, info: Any, relative_path: str
-    ) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    ) -> tuple[tuple[torch.dtype, tuple[int, ...]] | None, int | None]:
         """Refuse a chunk whose stated shape needs more bytes than its stored length,
-        before allocating anything for it (STORE-28); the chunk's (dtype, sizes)."""
+        before allocating anything for it (STORE-28); the chunk's (dtype, sizes) and
+        data offset."""
         if req.type == LoadItemType.BYTE_IO or self._chunks is None:
-            return None
+            return None, None
         chunk = self._chunks.lookup(req.storage_index)
         data_offset = data_offset_of(info)
         if chunk is None or data_offset is None:
-            return chunk
+            return chunk, data_offset
         dtype, sizes = chunk
         need = data_offset + math.prod(sizes) * dtype.itemsize
         if need > info.length:
@@ -558,17 +562,20 @@ class FileSystemReader(_AtPath, StorageReader):
                 file=relative_path,
                 offset=info.offset,
             )
-        return chunk
+        return chunk, data_offset
 
     def _small_item(
-        self, req: ReadItem, info: Any, chunk: tuple[torch.dtype, tuple[int, ...]] | None
+        self,
+        req: ReadItem,
+        info: Any,
+        chunk: tuple[torch.dtype, tuple[int, ...]],
+        data_offset: int,
     ) -> SmallItem | None:
         """A small refdcp-framed whole-chunk read for the run reader, else None (STORE-47)."""
-        if chunk is None or self.verify or info.length >= INPLACE_MIN_BYTES:
+        if self.verify or info.length >= INPLACE_MIN_BYTES:
             return None
-        data_offset = data_offset_of(info)
         dtype, sizes = chunk
-        if data_offset is None or req.lengths != sizes or any(req.storage_offsets):
+        if req.lengths != sizes or any(req.storage_offsets):
             return None
         crc = checksum_of(info) if self.verify_available else None
         return SmallItem(req, int(info.offset), int(info.length), data_offset, dtype, sizes, crc)

@@ -205,7 +205,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f".metadata holds a torch.Size of more than {self._limits.max_dims} dimensions "
                 "or of a non-sequence; refusing it"
             )
-        self._budget.charge(len(dims), "torch.Size")
+        budget = self._budget
+        budget.left -= len(dims)
+        if budget.left < 0:
+            budget.charge(0, "torch.Size")
         return torch.Size(dims)
 
     def _path_maker(self, cls: Any) -> Callable[..., Any]:

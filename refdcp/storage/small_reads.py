@@ -41,7 +41,7 @@ from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["SmallItem", "batches_items", "read_small_items"]
 
-#: iovecs per ``preadv`` (Linux allows 1024); each item takes three.
+#: iovecs per ``preadv`` (Linux allows 1024); each item takes two.
 MAX_IOV = 1020
 
 
@@ -96,7 +96,7 @@ def read_small_items(
         if run and (
             not batch
             or item.offset != end
-            or len(run) * 3 >= MAX_IOV
+            or len(run) * 2 >= MAX_IOV
             or run_bytes + item.length > PIECE_BYTES
         ):
             _deliver_run(fd, file, run, planner)
@@ -120,7 +120,9 @@ def _deliver_run(fd: int, file: str, run: list[SmallItem], planner: LoadPlanner)
 def _resolve(planner: LoadPlanner, item: SmallItem) -> tuple[torch.Tensor, torch.Tensor]:
     """(destination, tensor the elements are read into): the destination itself when its
     memory holds exactly the stored elements, else a fresh tensor copied in afterwards."""
-    target = planner.resolve_tensor(item.req).detach()
+    target = planner.resolve_tensor(item.req)
+    if target.requires_grad:
+        target = target.detach()
     if (
         target.device.type == "cpu"
         and target.dtype == item.dtype
@@ -143,27 +145,32 @@ def _read_and_commit(
     targets: list[tuple[torch.Tensor, torch.Tensor]],
     planner: LoadPlanner,
 ) -> None:
-    frames = sum(item.length for item in run) - sum(into.nbytes for _, into in targets)
-    scratch = memoryview(bytearray(frames))
+    base = run[0].offset
+    total = sum(item.length for item in run)
+    scratch = memoryview(bytearray(total - sum(into.nbytes for _, into in targets)))
+    # the file holds head, elements, tail of each item back to back: the framing between
+    # two items' elements (a tail and the next head) is one span of the scratch buffer
     views: list[memoryview] = []
     parts: list[tuple[memoryview, memoryview, memoryview]] = []
-    pos = 0
+    pos = span = 0
     for item, (_, into) in zip(run, targets):
         data = raw_view(into)
-        tail_len = item.length - item.data_offset - len(data)
-        head = scratch[pos : pos + item.data_offset]
-        tail = scratch[pos + item.data_offset : pos + item.data_offset + tail_len]
-        pos += item.data_offset + tail_len
-        parts.append((head, data, tail))
-        views += (head, data, tail)
-    got = _preadv_all(fd, views, run[0].offset)
+        head_end = pos + item.data_offset
+        end = item.length - len(data) + pos
+        parts.append((scratch[pos:head_end], data, scratch[head_end:end]))
+        if len(data):
+            views += (scratch[span:head_end], data)
+            span = head_end
+        pos = end
+    views.append(scratch[span:pos])
+    got = _preadv_all(fd, views, base, total)
     for item, (target, into), (head, data, tail) in zip(run, targets, parts):
-        if got < item.offset - run[0].offset + item.length:
+        if got < item.offset - base + item.length:
             raise CorruptionError(
                 "data file truncated",
                 fqn=item.req.storage_index.fqn,
                 file=file,
-                offset=run[0].offset + got,
+                offset=base + got,
             )
         if item.crc is not None:
             crc = crc32c.crc32c(tail, crc32c.crc32c(data, crc32c.crc32c(head)))
@@ -184,18 +191,23 @@ def _read_and_commit(
         planner.commit_tensor(item.req, target)
 
 
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill ``views`` in order from ``offset``; the bytes read (fewer only at end of file)."""
+def _preadv_all(fd: int, views: list[memoryview], offset: int, total: int) -> int:
+    """Fill ``views`` (``total`` bytes) in order from ``offset``; the bytes read (fewer only
+    at end of file)."""
+    if len(views) <= MAX_IOV:
+        got = os.preadv(fd, views, offset)
+        if got == total:
+            return got
     views = [v for v in views if len(v)]
-    total, first = 0, 0
+    done, first = 0, 0
     while first < len(views):
-        n = os.preadv(fd, views[first : first + MAX_IOV], offset + total)
+        n = os.preadv(fd, views[first : first + MAX_IOV], offset + done)
         if n == 0:
             break
-        total += n
+        done += n
         while first < len(views) and n >= len(views[first]):
             n -= len(views[first])
             first += 1
         if n:
             views[first] = views[first][n:]
-    return total
+    return done
