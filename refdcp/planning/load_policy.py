@@ -69,10 +69,14 @@ def check_load(
         md = saved.get(fqn)
         if md is None:
             continue
-        if type(obj) in plain and type(md) is TensorStorageMetadata:  # the common case
-            if obj.size() == md.size and (obj.dtype == md.properties.dtype or policy.allow_cast):
-                keys.append(fqn)
-                continue
+        if (  # the common case: a plain tensor of the saved shape and dtype
+            type(obj) in plain
+            and type(md) is TensorStorageMetadata
+            and obj.size() == md.size
+            and (obj.dtype == md.properties.dtype or policy.allow_cast)
+        ):
+            keys.append(fqn)
+            continue
         tensor_dest = is_tensor_like(obj)
         if isinstance(md, BytesStorageMetadata):
             if tensor_dest:
