@@ -168,7 +168,8 @@ class DefaultLoadPlanner(LoadPlanner):
             and read_item.lengths == obj.shape
             and not any(read_item.dest_offsets)
         ):
-            return obj  # a whole plain tensor: nothing to narrow
+            whole: torch.Tensor = obj
+            return whole  # a whole plain tensor: nothing to narrow
         if isinstance(obj, DTensor):
             t = obj.to_local()
         else:
