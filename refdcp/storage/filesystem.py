@@ -45,6 +45,7 @@ from refdcp.storage.commit_mark import mark as mark_commit
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError, MissingChecksumError
 from refdcp.storage.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.items import (
+    DATA_OFFSET_ATTR,
     INPLACE_MIN_BYTES,
     ChunkIndex,
     Encoded,
@@ -522,7 +523,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 size = os.fstat(fd).st_size
                 prepared: list[tuple[ReadItem, Any, SmallItem | None]] = []
                 for offset, req, info in reqs:
-                    chunk, data_offset = self._check_chunk_fits(req, info, relative_path)
+                    small = self._prepare(req, info, relative_path)
                     if offset + info.length > size:
                         raise CorruptionError(
                             f"data file truncated ({size} bytes, item needs {offset + info.length})",
@@ -530,9 +531,6 @@ class FileSystemReader(_AtPath, StorageReader):
                             file=relative_path,
                             offset=min(size, offset + info.length),
                         )
-                    small = None
-                    if chunk is not None and data_offset is not None:
-                        small = self._small_item(req, info, chunk, data_offset)
                     prepared.append((req, info, small))
                 self._read_items(fd, relative_path, prepared, planner)
             finally:
@@ -541,44 +539,35 @@ class FileSystemReader(_AtPath, StorageReader):
         fut.set_result(None)
         return fut
 
-    def _check_chunk_fits(
-        self, req: ReadItem, info: Any, relative_path: str
-    ) -> tuple[tuple[torch.dtype, tuple[int, ...]] | None, int | None]:
-        """Refuse a chunk whose stated shape needs more bytes than its stored length,
-        before allocating anything for it (STORE-28); the chunk's (dtype, sizes) and
-        data offset."""
+    def _prepare(self, req: ReadItem, info: Any, relative_path: str) -> SmallItem | None:
+        """Refuse a chunk whose stated shape needs more bytes than its stored length, before
+        allocating anything for it (STORE-28); the item for the run reader when it is a
+        small refdcp-framed whole-chunk read (STORE-47), else None."""
         if req.type == LoadItemType.BYTE_IO or self._chunks is None:
-            return None, None
+            return None
         chunk = self._chunks.lookup(req.storage_index)
-        data_offset = data_offset_of(info)
-        if chunk is None or data_offset is None:
-            return chunk, data_offset
+        data_offset = getattr(info, DATA_OFFSET_ATTR, None)
+        if chunk is None or not isinstance(data_offset, int):
+            return None
         dtype, sizes = chunk
+        length = info.length
         need = data_offset + math.prod(sizes) * dtype.itemsize
-        if need > info.length:
+        if need > length:
             raise CorruptionError(
-                f"chunk of shape {list(sizes)} needs {need} bytes but the item is {info.length}",
+                f"chunk of shape {list(sizes)} needs {need} bytes but the item is {length}",
                 fqn=req.storage_index.fqn,
                 file=relative_path,
                 offset=info.offset,
             )
-        return chunk, data_offset
-
-    def _small_item(
-        self,
-        req: ReadItem,
-        info: Any,
-        chunk: tuple[torch.dtype, tuple[int, ...]],
-        data_offset: int,
-    ) -> SmallItem | None:
-        """A small refdcp-framed whole-chunk read for the run reader, else None (STORE-47)."""
-        if self.verify or info.length >= INPLACE_MIN_BYTES:
-            return None
-        dtype, sizes = chunk
-        if req.lengths != sizes or any(req.storage_offsets):
+        if (
+            self.verify
+            or length >= INPLACE_MIN_BYTES
+            or req.lengths != sizes
+            or any(req.storage_offsets)
+        ):
             return None
         crc = checksum_of(info) if self.verify_available else None
-        return SmallItem(req, int(info.offset), int(info.length), data_offset, dtype, sizes, crc)
+        return SmallItem(req, int(info.offset), int(length), data_offset, dtype, sizes, crc)
 
     def _read_items(
         self,
