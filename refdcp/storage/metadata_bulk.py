@@ -16,7 +16,7 @@ import operator
 import re
 from collections.abc import Iterable
 from itertools import chain, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ def _sizes_ok(sizes: list[Any]) -> bool:
     """Every value a ``torch.Size`` without negative entries."""
     if not _only(sizes, torch.Size):
         return False
-    return all(not s or min(s) >= 0 for s in _unique(sizes))
+    return min(chain.from_iterable(sizes), default=0) >= 0
 
 
 def _props_ok(props: list[Any]) -> bool:
@@ -143,10 +143,14 @@ def _entries_ok(sdm: dict[Any, Any], cap: int) -> bool:
     props = _field(tensors, "properties")
     if not (_sizes_ok(sizes) and _only(chunk_lists, list) and _props_ok(props)):
         return False
-    chunks = list(chain.from_iterable(chunk_lists))
+    counts = list(map(len, chunk_lists))
+    if set(counts) == {1}:  # one chunk per tensor (the common case): no repeats needed
+        chunks, fulls = list(map(itemgetter(0), chunk_lists)), sizes
+    else:
+        chunks = list(chain.from_iterable(chunk_lists))
+        fulls = list(chain.from_iterable(map(repeat, sizes, counts)))
     if not _only(chunks, ChunkStorageMetadata):
         return False
-    fulls = list(chain.from_iterable(map(repeat, sizes, map(len, chunk_lists))))
     return _boxes_ok(_field(chunks, "offsets"), _field(chunks, "sizes"), fulls)
 
 
