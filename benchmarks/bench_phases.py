@@ -97,7 +97,14 @@ def _run_child(impl: str, items: int, elems: int, tree: str) -> dict[str, float]
         "print(json.dumps(out))"
     )
     res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE, check=False
+        # cwd=tree: ``python -c`` puts the working directory first on sys.path, ahead of
+        # PYTHONPATH, so with cwd=HERE every tree would import this checkout's refdcp
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tree,
+        check=False,
     )
     if res.returncode != 0:
         raise RuntimeError(f"{impl} child failed:\n{res.stderr[-3000:]}")

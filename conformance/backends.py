@@ -6,6 +6,7 @@ Use them as targets: ``refdcp conformance conformance.backends:refdcp_fs``.
 from __future__ import annotations
 
 import itertools
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,9 @@ class TorchFsspec:
     def new_location(self, scratch: Path) -> Any:
         if self.protocol == "file":
             return f"file://{scratch / 'ckpt'}"
-        return f"memory://refdcp-conformance/{id(self)}/{next(self._counter)}"
+        # a fresh name per location: id(self) is reused once an earlier backend is freed, and
+        # the memory filesystem is process-wide, so a reused id met the old one's files
+        return f"memory://refdcp-conformance/{uuid.uuid4().hex}/{next(self._counter)}"
 
     def writer(self, location: Any, *, rank: int, thread_count: int = 1) -> StorageWriter:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

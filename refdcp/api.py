@@ -226,6 +226,9 @@ def load(
     )
     with gc_paused():
         drive(LOAD, ctx, c, fault=fault, observer=observer)
+        # free this load's metadata, plans and planner while the collector is paused: alive
+        # when it resumes, they would all be traversed by its next pass (API-20)
+        del ctx
 
 
 def _load_planner(planner: LoadPlanner | None, safe_globals: Sequence[Any]) -> LoadPlanner:

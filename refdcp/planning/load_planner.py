@@ -29,9 +29,12 @@ from refdcp.storage.safe_globals import (
 from .flatten import Flattened, flatten_state_dict, set_by_rich_path
 from .load_policy import LoadPolicy, LoadPolicyError, check_load
 from .local_plan import resolve_tensor_chunk
-from .resharding import read_items_for_chunks
+from .resharding import read_items_for_chunks, whole_tensor_read
 
 __all__ = ["DefaultLoadPlanner"]
+
+#: Destinations that are one whole local tensor (no chunk list, no shards).
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _target_chunks(obj: Any) -> list[ChunkStorageMetadata]:
@@ -117,6 +120,11 @@ class DefaultLoadPlanner(LoadPlanner):
         for fqn in keys:
             obj = self.flat.items[fqn]
             md = saved[fqn]
+            if type(obj) in _PLAIN_TENSORS:
+                whole = whole_tensor_read(fqn, md)  # the common case, without the sweep
+                if whole is not None:
+                    items.append(whole)
+                    continue
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
             if isinstance(md, TensorStorageMetadata):
@@ -155,6 +163,13 @@ class DefaultLoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """A view of the destination chunk narrowed to the read's box (RESHARD-1)."""
         obj = self.flat.items[read_item.dest_index.fqn]
+        if (
+            type(obj) in _PLAIN_TENSORS
+            and read_item.lengths == obj.shape
+            and not any(read_item.dest_offsets)
+        ):
+            whole: torch.Tensor = obj
+            return whole  # a whole plain tensor: nothing to narrow
         if isinstance(obj, DTensor):
             t = obj.to_local()
         else:

@@ -64,9 +64,18 @@ def check_load(
             problems.append(
                 f"unexpected keys (in the checkpoint, not in the state_dict): {unexpected}"
             )
+    plain = (torch.Tensor, torch.nn.Parameter)
     for fqn, obj in dest.items():
         md = saved.get(fqn)
         if md is None:
+            continue
+        if (  # the common case: a plain tensor of the saved shape and dtype
+            type(obj) in plain
+            and type(md) is TensorStorageMetadata
+            and obj.size() == md.size
+            and (obj.dtype == md.properties.dtype or policy.allow_cast)
+        ):
+            keys.append(fqn)
             continue
         tensor_dest = is_tensor_like(obj)
         if isinstance(md, BytesStorageMetadata):

@@ -18,7 +18,38 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-__all__ = ["read_items_for_chunks"]
+__all__ = ["read_items_for_chunks", "whole_tensor_read"]
+
+_ZEROS: dict[int, torch.Size] = {}
+
+
+def whole_tensor_read(fqn: str, saved: object) -> ReadItem | None:
+    """The one read of a tensor saved as a single whole, non-empty chunk into a
+    destination of the same shape (RESHARD-1); None for any other case.
+
+    The same ReadItem as :func:`read_items_for_chunks` gives for one target
+    chunk covering the tensor (the caller has checked the shapes match,
+    POLICY-4); it covers the target exactly once (RESHARD-5) without the sweep.
+    """
+    if type(saved) is not TensorStorageMetadata or len(saved.chunks) != 1:
+        return None
+    chunk = saved.chunks[0]
+    size = saved.size
+    ndim = len(size)
+    zeros = _ZEROS.get(ndim)
+    if zeros is None:
+        zeros = _ZEROS.setdefault(ndim, torch.Size([0] * ndim))
+    if ndim == 0 or chunk.sizes != size or chunk.offsets != zeros or 0 in size:
+        return None
+    index = MetadataIndex(fqn, zeros, 0)  # immutable: the same key for both sides
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=index,
+        dest_offsets=zeros,
+        storage_index=index,
+        storage_offsets=zeros,
+        lengths=size,
+    )
 
 
 def read_items_for_chunks(

@@ -46,6 +46,7 @@ from refdcp.storage.commit_mark import mark as mark_commit
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError, MissingChecksumError
 from refdcp.storage.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.items import (
+    DATA_OFFSET_ATTR,
     INPLACE_MIN_BYTES,
     ChunkIndex,
     Encoded,
@@ -71,6 +72,7 @@ from refdcp.storage.safe_metadata import (
     load_metadata,
     read_metadata_file,
 )
+from refdcp.storage.small_reads import SmallItem, batches_items, read_small_items
 from refdcp.storage.small_tensors import small_tensor_parts
 from refdcp.storage.tensor_values import bytes_are_values
 
@@ -554,8 +556,9 @@ class FileSystemReader(_AtPath, StorageReader):
             fd = open_data_file(self.path, relative_path)  # STORE-27: regular files only
             try:
                 size = os.fstat(fd).st_size
+                prepared: list[tuple[ReadItem, Any, SmallItem | None]] = []
                 for offset, req, info in reqs:
-                    self._check_chunk_fits(req, info, relative_path)
+                    small = self._prepare(req, info, relative_path)
                     if offset + info.length > size:
                         raise CorruptionError(
                             f"data file truncated ({size} bytes, item needs {offset + info.length})",
@@ -563,32 +566,65 @@ class FileSystemReader(_AtPath, StorageReader):
                             file=relative_path,
                             offset=min(size, offset + info.length),
                         )
-                for _, req, info in reqs:
-                    self._read_item(fd, relative_path, req, info, planner)
+                    prepared.append((req, info, small))
+                self._read_items(fd, relative_path, prepared, planner)
             finally:
                 os.close(fd)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _check_chunk_fits(self, req: ReadItem, info: Any, relative_path: str) -> None:
-        """Refuse a chunk whose stated shape needs more bytes than its stored length,
-        before allocating anything for it (STORE-28)."""
+    def _prepare(self, req: ReadItem, info: Any, relative_path: str) -> SmallItem | None:
+        """Refuse a chunk whose stated shape needs more bytes than its stored length, before
+        allocating anything for it (STORE-28); the item for the run reader when it is a
+        small refdcp-framed whole-chunk read (STORE-47), else None."""
         if req.type == LoadItemType.BYTE_IO or self._chunks is None:
-            return
+            return None
         chunk = self._chunks.lookup(req.storage_index)
-        data_offset = data_offset_of(info)
-        if chunk is None or data_offset is None:
-            return
+        data_offset = getattr(info, DATA_OFFSET_ATTR, None)
+        if chunk is None or not isinstance(data_offset, int):
+            return None
         dtype, sizes = chunk
+        length = info.length
         need = data_offset + math.prod(sizes) * dtype.itemsize
-        if need > info.length:
+        if need > length:
             raise CorruptionError(
-                f"chunk of shape {list(sizes)} needs {need} bytes but the item is {info.length}",
+                f"chunk of shape {list(sizes)} needs {need} bytes but the item is {length}",
                 fqn=req.storage_index.fqn,
                 file=relative_path,
                 offset=info.offset,
             )
+        if (
+            self.verify
+            or length >= INPLACE_MIN_BYTES
+            or req.lengths != sizes
+            or any(req.storage_offsets)
+        ):
+            return None
+        crc = checksum_of(info) if self.verify_available else None
+        return SmallItem(req, int(info.offset), int(length), data_offset, dtype, sizes, crc)
+
+    def _read_items(
+        self,
+        fd: int,
+        relative_path: str,
+        prepared: list[tuple[ReadItem, Any, SmallItem | None]],
+        planner: LoadPlanner,
+    ) -> None:
+        """Deliver one file's items in offset order: small ones in runs (STORE-47), others
+        one by one."""
+        batch = any(small is not None for _, _, small in prepared) and batches_items(planner)
+        run: list[SmallItem] = []
+        for req, info, small in prepared:
+            if small is not None:
+                run.append(small)
+                continue
+            if run:
+                read_small_items(fd, relative_path, run, planner, batch)
+                run = []
+            self._read_item(fd, relative_path, req, info, planner)
+        if run:
+            read_small_items(fd, relative_path, run, planner, batch)
 
     def _read_item(
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner

@@ -175,11 +175,19 @@ class ChunkIndex:
 
     def __init__(self, metadata: Metadata) -> None:
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        # torch.Size hashes and compares as the tuple of its entries, so the metadata's own
+        # (often shared, META-8) Size objects serve as keys and values without copies
+        shared: dict[tuple[torch.dtype, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
+                dtype = md.properties.dtype
                 for chunk in md.chunks:
-                    key = (fqn, tuple(chunk.offsets))
-                    self._chunks[key] = (md.properties.dtype, tuple(chunk.sizes))
+                    offsets: tuple[int, ...] = chunk.offsets
+                    sizes: tuple[int, ...] = chunk.sizes
+                    if type(offsets) is not torch.Size or type(sizes) is not torch.Size:
+                        offsets, sizes = tuple(offsets), tuple(sizes)
+                    value = (dtype, sizes)
+                    self._chunks[(fqn, offsets)] = shared.setdefault(value, value)
 
     def lookup(self, index: MetadataIndex) -> tuple[torch.dtype, tuple[int, ...]] | None:
         offset = tuple(index.offset) if index.offset is not None else ()

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from refdcp.storage.errors import MalformedMetadataError
+from refdcp.storage.metadata_bulk import entries_ok, records_ok
 from refdcp.storage.metadata_limits import MetadataLimits
 from refdcp.storage.paths import check_data_name
 from refdcp.storage.safe_metadata import settle
@@ -153,9 +154,11 @@ class _Checker:
         sdm = self.dict_of(
             self.field(md, "state_dict_metadata", _ROOT), at.attr("state_dict_metadata")
         )
-        for fqn, entry in sdm.items():
-            if not self.entry_ok(fqn, entry):  # the detailed check names what is wrong
-                self.entry(fqn, entry, at.attr("state_dict_metadata").key(fqn))
+        cap = self.limits.max_string_chars
+        if not entries_ok(sdm, cap):  # one pass over all; else item by item (FMT-9)
+            for fqn, entry in sdm.items():
+                if not self.entry_ok(fqn, entry):  # the detailed check names what is wrong
+                    self.entry(fqn, entry, at.attr("state_dict_metadata").key(fqn))
         self.string(self.field(md, "version", _ROOT), at.attr("version"), optional=True)
         sm = self.field(md, "storage_meta", _ROOT)
         if sm is not None:
@@ -163,13 +166,35 @@ class _Checker:
         storage = self.field(md, "storage_data", _ROOT)
         if storage is not None:
             sw = at.attr("storage_data")
-            for key, info in self.dict_of(storage, sw).items():
-                if not self.record_ok(key, info):
-                    self.storage_record(key, info, sw)
+            if not records_ok(self.dict_of(storage, sw), cap):
+                for key, info in storage.items():
+                    if not self.record_ok(key, info):
+                        self.storage_record(key, info, sw)
         skip = {"state_dict_metadata", "version", "storage_meta", "storage_data"}
         for name, value in list(vars(md).items()):
-            if name not in skip:
+            if name == "planner_data" and type(value) is dict:
+                self.planner_data(value, at.attr(name))
+            elif name not in skip:
                 self.generic(value, at.attr(name))
+
+    def planner_data(self, data: dict[Any, Any], where: _At) -> None:
+        """torch's ``planner_data`` (fqn -> path tuple): the common entries checked in one
+        tight pass, anything else by :meth:`generic`, with the same rules (FMT-9, FMT-10)."""
+        cap = self.limits.max_string_chars
+        if self.limits.max_depth < 2:  # the fast pass below assumes two levels are allowed
+            self.generic(data, where)
+            return
+        self.seen.add(id(data))
+        for k, v in data.items():
+            if type(k) is str and len(k) <= cap and type(v) is tuple:
+                for part in v:
+                    kind = type(part)
+                    if not ((kind is str and len(part) <= cap) or kind is int):
+                        break
+                else:
+                    continue
+            self.generic(k, where.attr("<key>"), 1)
+            self.generic(v, where.key(k), 1)
 
     # -- fast paths: True only for what the detailed checks accept (no settling needed) -----
     def entry_ok(self, fqn: Any, entry: Any) -> bool:
@@ -322,9 +347,9 @@ class _Checker:
                 kw.attr("refdcp_data_offset"), f"{data_offset} is past the item's length {length}"
             )
 
-    def generic(self, value: Any, where: _At) -> None:
+    def generic(self, value: Any, where: _At, depth: int = 0) -> None:
         """Any other field (planner data, future fields): allowed types only, bounded."""
-        stack: list[tuple[Any, _At, int]] = [(value, where, 0)]
+        stack: list[tuple[Any, _At, int]] = [(value, where, depth)]
         while stack:
             obj, at, depth = stack.pop()
             obj = settle(obj)

@@ -207,7 +207,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 f".metadata holds a torch.Size of more than {self._limits.max_dims} dimensions "
                 "or of a non-sequence; refusing it"
             )
-        self._budget.charge(len(dims), "torch.Size")
+        budget = self._budget
+        budget.left -= len(dims)
+        if budget.left < 0:
+            budget.charge(0, "torch.Size")
         return torch.Size(dims)
 
     def _path_maker(self, cls: Any) -> Callable[..., Any]:
@@ -249,7 +252,14 @@ def safe_loads(data: bytes, limits: MetadataLimits | None = None) -> Any:
     """
     limits = limits or get_metadata_limits()
     budget = _Budget(len(data) + limits.slack_units)
-    return _RestrictedUnpickler(io.BytesIO(data), budget, limits).load()
+    unpickler = _RestrictedUnpickler(io.BytesIO(data), budget, limits)
+    try:
+        return unpickler.load()
+    finally:
+        # its makers (memoized by the pickle too) refer back to it: left in that cycle, the
+        # memo would keep every object of the metadata alive until the cyclic collector ran
+        unpickler.memo.clear()
+        unpickler._classes.clear()
 
 
 def read_metadata_file(path: str | os.PathLike[str], limits: MetadataLimits | None = None) -> bytes:
