@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             # the >= 1 GiB saves are paired with a raw write+fsync of the same size,
             # alternately just before and just after them (the disk is shared and noisy);
             # their loads with a raw page-cache readinto of the same files (in _trial)
-            pair = count * nbytes >= 1 << 30
+            pair = count * nbytes >= 1000 * MiB
             paired: dict[str, list[float]] = {}
             load_before = os.getloadavg()
             for trial in range(n):

@@ -278,3 +278,48 @@ def test_large_save_works_in_a_forked_child(
         return ok and blob[start : start + len(want)] == want
 
     _in_forked_child(child)
+
+
+@pytest.mark.spec("STORE-50", "FMT-5")
+@pytest.mark.parametrize("writer_kw", [{}, {"thread_count": 2}])
+def test_large_items_start_64_byte_aligned_and_torch_reads_them(
+    tmp_path: Path, writer_kw: dict[str, Any]
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src = {
+        "a": torch.randint(0, 255, (MiB + 3,), dtype=torch.uint8),
+        "s": torch.arange(7, dtype=torch.int8),
+        "b": torch.randn(MiB // 4 + 5),
+        "c": torch.randint(-9, 9, (MiB // 2 + 1,), dtype=torch.int16),
+        "blob": [1, 2, 3],
+    }
+    writer = FileSystemWriter(tmp_path, sync_files=False, **writer_kw)
+    md = refdcp.save(src, storage_writer=writer, no_dist=True)
+    large = [(i.fqn, s) for i, s in md.storage_data.items() if s.length >= MiB]
+    assert {fqn for fqn, _ in large} == {"a", "b", "c"}
+    for _fqn, info in large:
+        assert info.offset % 64 == 0 and (info.offset + data_offset_of(info)) % 64 == 0
+    # the gaps belong to no item and hold zeros
+    for name in {s.relative_path for s in md.storage_data.values()}:
+        data = (tmp_path / name).read_bytes()
+        covered = sorted(
+            (s.offset, s.offset + s.length)
+            for s in md.storage_data.values()
+            if s.relative_path == name
+        )
+        end = 0
+        for start, stop in covered:
+            assert start >= end and set(data[end:start]) <= {0}
+            end = stop
+        assert end == len(data)
+    assert verify_checkpoint(tmp_path).ok
+    mine = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in src.items()}
+    refdcp.load(mine, checkpoint_id=tmp_path, no_dist=True)
+    theirs = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in src.items()
+    }
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+    for got in (mine, theirs):
+        for k, v in src.items():
+            assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
