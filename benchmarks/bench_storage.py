@@ -73,16 +73,17 @@ def _aligned(nbytes: int) -> memoryview:
     return view[:nbytes]
 
 
-def _raw_read_files(path: str, view: memoryview) -> float:
-    """Seconds to ``readinto`` every data file of ``path`` (page cache hot) into ``view``."""
+def _raw_read_files(path: str, view: memoryview) -> tuple[float, float]:
+    """(wall, CPU) seconds to ``readinto`` every data file of ``path`` (page cache hot) into ``view``."""
     names = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    c0 = time.process_time()
     t0 = time.perf_counter()
     pos = 0
     for name in names:
         with open(os.path.join(path, name), "rb", buffering=0) as f:
             while got := f.readinto(view[pos : pos + 64 * MiB]):
                 pos += got
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _data_bytes(path: str) -> int:
@@ -174,7 +175,7 @@ def _trial(
         save_fn, load_fn = dcp.save, dcp.load
     phase = [0.0]
     sd = _state(count, nbytes, fill=(op == "save"))
-    raw_s = 0.0
+    raw_s = raw_cpu = 0.0
     raw_view = _aligned(_data_bytes(path)) if op == "load" and raw_at else None
     if op == "load":
         for name in sorted(os.listdir(path)):  # warm the page cache
@@ -182,23 +183,23 @@ def _trial(
                 while f.read(64 * MiB):
                     pass
         if raw_view is not None and raw_at < 0:  # the paired raw read, just before the load
-            raw_s = _raw_read_files(path, raw_view)
+            raw_s, raw_cpu = _raw_read_files(path, raw_view)
     base = _maxrss()
     now = _rss_now_and_reset_peak()  # extra peak = peak during the call - resident before it
     if op == "save":
         w = writer_cls(path, sync_files=True)
         w.write_data = _phase_timed(w.write_data, phase)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         save_fn(sd, storage_writer=w, no_dist=True)
     else:
         r = reader_cls(path)
         r.read_data = _phase_timed(r.read_data, phase)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         load_fn(sd, storage_reader=r, no_dist=True)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     extra = _maxrss() - base if now is None else _peak_since_reset() - now
     if raw_view is not None and raw_at > 0:  # the paired raw read, just after the load
-        raw_s = _raw_read_files(path, raw_view)
+        raw_s, raw_cpu = _raw_read_files(path, raw_view)
     if op == "load" and nbytes == OVER_4GIB_BYTES:
         v = sd["t0"]
         if not bool((v[:: 1 << 20] == 90).all()) or int(v[-1]) != 90:
@@ -209,14 +210,14 @@ def _trial(
             raise RuntimeError(f"{impl} load returned wrong data for {bad[:3]}")
     if driver == "refdcp" and op == "save" and impl in DEFAULTS_IMPLS:
         phase[0] = plan_s[0]  # defaults-cost: the local plan (digests) instead of write_data
-    out.put((elapsed, phase[0], extra, raw_s))
+    out.put((elapsed, phase[0], extra, raw_s, cpu, raw_cpu))
 
 
 #: The two sides of ``--defaults-cost``: refdcp opted out of its safe defaults, and with them.
 DEFAULTS_IMPLS = ("refdcp-optout", "refdcp-defaults")
 
 
-def _run(ctx: Any, *args: Any) -> tuple[float, float, int, float]:
+def _run(ctx: Any, *args: Any) -> tuple[float, float, int, float, float, float]:
     q = ctx.Queue()
     p = ctx.Process(target=_trial, args=(*args, q))
     p.start()
@@ -263,17 +264,18 @@ def raw_bandwidth(root: str, nbytes: int = 1024 * MiB, read: bool = True) -> tup
 def _row(
     name: str,
     size: int,
-    res: dict[tuple[str, str], list[tuple[float, float, int, float]]],
+    res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]],
     impls: tuple[str, str] = ("torch", "refdcp"),
 ) -> None:
     for op in ("save", "load"):
         t = [statistics.median(r[0] for r in res[(i, op)]) for i in impls]
         ph = [statistics.median(r[1] for r in res[(i, op)]) for i in impls]
         if impls == DEFAULTS_IMPLS:
+            cpu = [statistics.median(r[4] for r in res[(i, op)]) for i in impls]
             extra = (
                 f" {ph[0]:.3f} / {ph[1]:.3f} | {100 * (ph[1] - ph[0]) / t[0]:.1f}% |"
                 if op == "save"
-                else " | |"
+                else f" CPU {cpu[0]:.3f} / {cpu[1]:.3f} | CPU {100 * (cpu[1] / cpu[0] - 1):+.1f}% |"
             )
             print(
                 f"| {name} | {op} | {t[0]:.3f} | {t[1]:.3f} | {100 * (t[1] / t[0] - 1):+.1f}% |"
@@ -300,7 +302,7 @@ def _stats(xs: list[float]) -> str:
 def _paired_lines(
     name: str,
     size: int,
-    res: dict[tuple[str, str], list[tuple[float, float, int, float]]],
+    res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]],
     paired: dict[str, list[float]],
     impls: tuple[str, str],
 ) -> None:
@@ -323,7 +325,8 @@ def _paired_lines(
             print(
                 f"  {name} {impl} load vs raw page-cache readinto of the same files (paired):"
                 f" read_data {_stats([r[3] / r[1] for r in loads])},"
-                f" whole load {_stats([r[3] / r[0] for r in loads])};"
+                f" whole load {_stats([r[3] / r[0] for r in loads])},"
+                f" whole load CPU time {_stats([r[5] / r[4] for r in loads])};"
                 f" raw {', '.join(f'{gib / r[3]:.1f}' for r in loads)} GiB/s",
                 flush=True,
             )
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             return got
 
         def trials(name: str, count: int, nbytes: int, n: int) -> None:
-            res: dict[tuple[str, str], list[tuple[float, float, int, float]]] = {}
+            res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]] = {}
             # the >= 1 GiB saves are paired with a raw write+fsync of the same size,
             # alternately just before and just after them (the disk is shared and noisy);
             # their loads with a raw page-cache readinto of the same files (in _trial)
@@ -409,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.defaults_cost:
             print(
                 "| workload | op | opted-out s | defaults s | defaults' cost |"
-                " local plan s (opted-out / defaults) | digest cost, % of save |"
+                " local plan s (opted-out / defaults); load: CPU s | digest cost, % of save;"
+                " load: CPU cost |"
             )
             print("|---|---|---|---|---|---|---|")
         else:
