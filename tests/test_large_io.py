@@ -38,6 +38,23 @@ def test_crc_is_standard_crc32c_whatever_the_kernel() -> None:
 
 
 @pytest.mark.spec("INTEG-9")
+def test_without_fastcrc_the_crc32c_package_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of the module imported with fastcrc missing falls back, same values."""
+    import importlib.util
+    import sys
+
+    import refdcp.storage.crc as crc_mod
+
+    monkeypatch.setitem(sys.modules, "fastcrc", None)  # "import fastcrc" raises ImportError
+    spec = importlib.util.spec_from_file_location("_crc_without_fastcrc", crc_mod.__file__)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.KERNEL == "crc32c" and set(probe.KERNELS) == {"crc32c"}
+    assert probe.crc32c(b"123456789") == 0xE3069283 == crc32c(b"123456789")
+
+
+@pytest.mark.spec("INTEG-9")
 @given(data=st.binary(max_size=3000), cut=st.integers(0, 3000), start=st.integers(0, 2**32 - 1))
 def test_crc_kernels_agree_and_continue(data: bytes, cut: int, start: int) -> None:
     want = crc32c_package.crc32c(data, start)
