@@ -11,7 +11,12 @@ size just before it.  Also measured in the same run: raw disk write bandwidth
 with fsync and page-cache read bandwidth.  The last row is one uint8 tensor of
 4 GiB + 16 KiB (zip64, FMT-20), ``--large-trials`` times, its save throughput
 compared with a raw write+fsync of the same size measured alternately just before
-and just after each save.
+and just after each save.  The 1 GiB workloads (``large``, ``1,000 x 1 MiB``) are
+paired the same way; each load of them is paired, in the same process and
+alternately just before or after it, with a raw page-cache ``readinto`` of the
+checkpoint's own data files into page-aligned memory (tensors are page-aligned;
+a ``bytearray``'s 16-byte offset makes the kernel's copy 2-3x slower on the
+benchmark VM, so it would flatter the loads).
 
 Run: ``.venv/bin/python -m benchmarks.bench_storage [--trials N] [--only NAME]``.
 
@@ -55,6 +60,36 @@ def _state(count: int, nbytes: int, fill: bool) -> dict[str, Any]:
     if fill:
         return {f"t{i}": torch.full((n,), float(i), dtype=torch.float32) for i in range(count)}
     return {f"t{i}": torch.zeros(n, dtype=torch.float32) for i in range(count)}
+
+
+def _aligned(nbytes: int) -> memoryview:
+    """``nbytes`` of page-aligned, already touched memory (as a large tensor's)."""
+    import mmap
+
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    view = memoryview(buf)
+    for at in range(0, nbytes, 4096):
+        view[at] = 1
+    return view[:nbytes]
+
+
+def _raw_read_files(path: str, view: memoryview) -> tuple[float, float]:
+    """(wall, CPU) seconds to ``readinto`` every data file of ``path`` (page cache hot) into ``view``."""
+    names = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    pos = 0
+    for name in names:
+        with open(os.path.join(path, name), "rb", buffering=0) as f:
+            while got := f.readinto(view[pos : pos + 64 * MiB]):
+                pos += got
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _data_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".distcp")
+    )
 
 
 def _maxrss() -> int:
@@ -103,7 +138,9 @@ def _phase_timed(inner: Any, phase: list[float]) -> Any:
     return timed
 
 
-def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, out: Any) -> None:
+def _trial(
+    impl: str, op: str, path: str, count: int, nbytes: int, driver: str, raw_at: int, out: Any
+) -> None:
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed.checkpoint as dcp
@@ -138,25 +175,31 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
         save_fn, load_fn = dcp.save, dcp.load
     phase = [0.0]
     sd = _state(count, nbytes, fill=(op == "save"))
+    raw_s = raw_cpu = 0.0
+    raw_view = _aligned(_data_bytes(path)) if op == "load" and raw_at else None
     if op == "load":
         for name in sorted(os.listdir(path)):  # warm the page cache
             with open(os.path.join(path, name), "rb") as f:
                 while f.read(64 * MiB):
                     pass
+        if raw_view is not None and raw_at < 0:  # the paired raw read, just before the load
+            raw_s, raw_cpu = _raw_read_files(path, raw_view)
     base = _maxrss()
     now = _rss_now_and_reset_peak()  # extra peak = peak during the call - resident before it
     if op == "save":
         w = writer_cls(path, sync_files=True)
         w.write_data = _phase_timed(w.write_data, phase)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         save_fn(sd, storage_writer=w, no_dist=True)
     else:
         r = reader_cls(path)
         r.read_data = _phase_timed(r.read_data, phase)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         load_fn(sd, storage_reader=r, no_dist=True)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     extra = _maxrss() - base if now is None else _peak_since_reset() - now
+    if raw_view is not None and raw_at > 0:  # the paired raw read, just after the load
+        raw_s, raw_cpu = _raw_read_files(path, raw_view)
     if op == "load" and nbytes == OVER_4GIB_BYTES:
         v = sd["t0"]
         if not bool((v[:: 1 << 20] == 90).all()) or int(v[-1]) != 90:
@@ -167,14 +210,14 @@ def _trial(impl: str, op: str, path: str, count: int, nbytes: int, driver: str, 
             raise RuntimeError(f"{impl} load returned wrong data for {bad[:3]}")
     if driver == "refdcp" and op == "save" and impl in DEFAULTS_IMPLS:
         phase[0] = plan_s[0]  # defaults-cost: the local plan (digests) instead of write_data
-    out.put((elapsed, phase[0], extra))
+    out.put((elapsed, phase[0], extra, raw_s, cpu, raw_cpu))
 
 
 #: The two sides of ``--defaults-cost``: refdcp opted out of its safe defaults, and with them.
 DEFAULTS_IMPLS = ("refdcp-optout", "refdcp-defaults")
 
 
-def _run(ctx: Any, *args: Any) -> tuple[float, float, int]:
+def _run(ctx: Any, *args: Any) -> tuple[float, float, int, float, float, float]:
     q = ctx.Queue()
     p = ctx.Process(target=_trial, args=(*args, q))
     p.start()
@@ -204,8 +247,7 @@ def raw_bandwidth(root: str, nbytes: int = 1024 * MiB, read: bool = True) -> tup
     if not read:
         os.unlink(path)
         return nbytes / (1 << 30) / write_s, 0.0
-    dest = bytearray(nbytes)
-    view = memoryview(dest)
+    view = _aligned(nbytes)
     with open(path, "rb", buffering=0) as f:
         f.readinto(view)  # warm
     t0 = time.perf_counter()
@@ -222,17 +264,18 @@ def raw_bandwidth(root: str, nbytes: int = 1024 * MiB, read: bool = True) -> tup
 def _row(
     name: str,
     size: int,
-    res: dict[tuple[str, str], list[tuple[float, float, int]]],
+    res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]],
     impls: tuple[str, str] = ("torch", "refdcp"),
 ) -> None:
     for op in ("save", "load"):
         t = [statistics.median(r[0] for r in res[(i, op)]) for i in impls]
         ph = [statistics.median(r[1] for r in res[(i, op)]) for i in impls]
         if impls == DEFAULTS_IMPLS:
+            cpu = [statistics.median(r[4] for r in res[(i, op)]) for i in impls]
             extra = (
                 f" {ph[0]:.3f} / {ph[1]:.3f} | {100 * (ph[1] - ph[0]) / t[0]:.1f}% |"
                 if op == "save"
-                else " | |"
+                else f" CPU {cpu[0]:.3f} / {cpu[1]:.3f} | CPU {100 * (cpu[1] / cpu[0] - 1):+.1f}% |"
             )
             print(
                 f"| {name} | {op} | {t[0]:.3f} | {t[1]:.3f} | {100 * (t[1] / t[0] - 1):+.1f}% |"
@@ -246,6 +289,47 @@ def _row(
             f" {ph[1]:.3f} | {size / t[1] / (1 << 30):.2f} | {rss[0]:.3f} | {rss[1]:.3f} |",
             flush=True,
         )
+
+
+def _loadavg(avg: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.1f}" for x in avg)
+
+
+def _stats(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
+
+
+def _paired_lines(
+    name: str,
+    size: int,
+    res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]],
+    paired: dict[str, list[float]],
+    impls: tuple[str, str],
+) -> None:
+    """Per implementation: save GiB/s over a raw write+fsync of the same size paired with
+    it, and the load over a raw page-cache readinto of the same files paired with it."""
+    gib = size / (1 << 30)
+    for impl in impls:
+        saves = res[(impl, "save")] if impls != DEFAULTS_IMPLS else []  # its phase: the plan
+        if saves:
+            phase = [gib / r[1] / w for r, w in zip(saves, paired[impl])]
+            whole = [gib / r[0] / w for r, w in zip(saves, paired[impl])]
+            print(
+                f"  {name} {impl} save vs raw write+fsync of {gib:.2f} GiB (paired per trial):"
+                f" write_data {_stats(phase)}, whole save {_stats(whole)};"
+                f" raw {', '.join(f'{w:.2f}' for w in paired[impl])} GiB/s",
+                flush=True,
+            )
+        loads = [r for r in res[(impl, "load")] if r[3] > 0]
+        if loads:
+            print(
+                f"  {name} {impl} load vs raw page-cache readinto of the same files (paired):"
+                f" read_data {_stats([r[3] / r[1] for r in loads])},"
+                f" whole load {_stats([r[3] / r[0] for r in loads])},"
+                f" whole load CPU time {_stats([r[5] / r[4] for r in loads])};"
+                f" raw {', '.join(f'{gib / r[3]:.1f}' for r in loads)} GiB/s",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             return got
 
         def trials(name: str, count: int, nbytes: int, n: int) -> None:
-            res: dict[tuple[str, str], list[tuple[float, float, int]]] = {}
+            res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]] = {}
+            # the >= 1 GiB saves are paired with a raw write+fsync of the same size,
+            # alternately just before and just after them (the disk is shared and noisy);
+            # their loads with a raw page-cache readinto of the same files (in _trial)
+            pair = count * nbytes >= 1000 * MiB
+            paired: dict[str, list[float]] = {}
+            load_before = os.getloadavg()
             for trial in range(n):
                 order = list(impls) if trial % 2 == 0 else list(reversed(impls))
                 # the disk and page cache, measured between the trials they bound
@@ -297,41 +387,33 @@ def main(argv: list[str] | None = None) -> int:
                 for impl in order:
                     path = os.path.join(root, f"{impl}")
                     shutil.rmtree(path, ignore_errors=True)
-                    # the > 4 GiB save is paired with a raw write+fsync of the same size,
-                    # alternately just before and just after it (the disk is shared and noisy)
-                    pair = nbytes == OVER_4GIB_BYTES
                     if pair and trial % 2 == 0:
-                        paired.setdefault(impl, []).append(raw(nbytes, read=False)[0])
+                        paired.setdefault(impl, []).append(raw(count * nbytes, read=False)[0])
                     res.setdefault((impl, "save"), []).append(
-                        _run(ctx, impl, "save", path, count, nbytes, args.driver)
+                        _run(ctx, impl, "save", path, count, nbytes, args.driver, 0)
                     )
                     if pair and trial % 2 == 1:
-                        paired.setdefault(impl, []).append(raw(nbytes, read=False)[0])
+                        paired.setdefault(impl, []).append(raw(count * nbytes, read=False)[0])
+                    # not for > 4 GiB: the raw read's own buffer would double its memory
+                    raw_at = (1 if trial % 2 == 0 else -1) if pair and nbytes < 2 << 30 else 0
                     res.setdefault((impl, "load"), []).append(
-                        _run(ctx, impl, "load", path, count, nbytes, args.driver)
+                        _run(ctx, impl, "load", path, count, nbytes, args.driver, raw_at)
                     )
                     shutil.rmtree(path, ignore_errors=True)
             _row(name, count * nbytes, res, impls)
-            if nbytes == OVER_4GIB_BYTES:
-                gib = nbytes / (1 << 30)
-                for impl in ("refdcp", "torch"):
-                    rates = [gib / r[1] for r in res[(impl, "save")]]
-                    ratios = [r / w for r, w in zip(rates, paired[impl])]
-                    print(
-                        f"  > 4 GiB {impl} save (write_data incl. fsync) vs a raw write+fsync of"
-                        f" the same size just before (even trials) or after (odd) it: "
-                        + ", ".join(f"{r:.3f}/{w:.3f} GiB/s" for r, w in zip(rates, paired[impl]))
-                        + f"; median ratio {statistics.median(ratios):.2f}"
-                        + (" (target >= 0.95)" if impl == "refdcp" else ""),
-                        flush=True,
-                    )
+            if pair:
+                _paired_lines(name, count * nbytes, res, paired, impls)
+            print(
+                f"  load average before / after: {_loadavg(load_before)} / {_loadavg(os.getloadavg())}"
+            )
 
         raws.append(raw())
         print(f"driver: {args.driver}.save/load; sync_files=True; {args.trials} trial(s) per cell")
         if args.defaults_cost:
             print(
                 "| workload | op | opted-out s | defaults s | defaults' cost |"
-                " local plan s (opted-out / defaults) | digest cost, % of save |"
+                " local plan s (opted-out / defaults); load: CPU s | digest cost, % of save;"
+                " load: CPU cost |"
             )
             print("|---|---|---|---|---|---|---|")
         else:
@@ -340,7 +422,6 @@ def main(argv: list[str] | None = None) -> int:
                 " refdcp GiB/s | torch extra RSS | refdcp extra RSS |"
             )
             print("|---|---|---|---|---|---|---|---|---|---|")
-        paired: dict[str, list[float]] = {}
         for name, (count, nbytes) in WORKLOADS.items():
             if args.only and args.only not in name:
                 continue

@@ -81,6 +81,10 @@ __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 _FLUSH_BYTES = 4 << 20
 _relative_path = attrgetter("relative_path")
 _MAX_IOV = 512
+#: a large tensor item starts at a multiple of this many bytes in its file, after zero
+#: bytes that belong to no item: its data is then as aligned in the file as in a tensor
+#: (a page-cache copy between misaligned addresses costs ~26% more CPU here, STORE-50)
+_ITEM_PAD = bytes(64)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -410,6 +414,8 @@ class FileSystemWriter(_AtPath, StorageWriter):
                         append(write_result(item.index, length, info))
                         continue
                     enc = encode_tensor(data)
+                if enc.data_offset is not None and enc.length >= INPLACE_MIN_BYTES:
+                    out.write([_ITEM_PAD[: -out.position % len(_ITEM_PAD)]])  # STORE-50
                 offset = out.position
                 out.write(enc.parts, enc)
                 info = make_storage_info(name, offset, enc)

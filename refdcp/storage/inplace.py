@@ -19,9 +19,9 @@ import zipfile
 from collections.abc import Sequence
 from typing import Any
 
-import crc32c
 import torch
 
+from refdcp.storage.crc import crc32c
 from refdcp.storage.errors import CorruptionError
 
 __all__ = ["FileSlice", "STREAM_CHUNK", "locate_tensor_data", "verify_streaming"]
@@ -159,7 +159,7 @@ def verify_streaming(fd: int, offset: int, length: int, expected: int, fqn: str,
             raise CorruptionError(
                 f"item truncated: {done} of {length} bytes", fqn=fqn, file=file, offset=offset
             )
-        crc = crc32c.crc32c(view[:got], crc)
+        crc = crc32c(view[:got], crc)
         done += got
     if crc != expected:
         raise CorruptionError(

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import ctypes
 import io
+import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from refdcp.errors import RefdcpError
+from refdcp.storage import crc as crc32c  # crc32c.crc32c: the fastest kernel (INTEG-9)
 from refdcp.storage.errors import CorruptionError, MissingChecksumError
 from refdcp.storage.tensor_values import bytes_are_values, values_tensor
 from refdcp.storage.zipframe import frame_for, frame_records
@@ -72,7 +74,28 @@ class Encoded:
 #: through a bounded buffer, or ``torch.load``-ed from their byte range (STORE-40..STORE-42).
 INPLACE_MIN_BYTES = 1 << 20
 
-_CRC_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="refdcp-crc")
+_CRC_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """This process's CRC helper threads: a forked child starts its own (STORE-49)."""
+    global _CRC_POOL
+    pool = _CRC_POOL
+    if pool is None or pool[0] != os.getpid():
+        with _CRC_POOL_LOCK:
+            if _CRC_POOL is None or _CRC_POOL[0] != os.getpid():
+                _CRC_POOL = (os.getpid(), ThreadPoolExecutor(2, thread_name_prefix="refdcp-crc"))
+            pool = _CRC_POOL
+    return pool[1]
+
+
+def _forget_crc_pool() -> None:
+    global _CRC_POOL, _CRC_POOL_LOCK
+    _CRC_POOL, _CRC_POOL_LOCK = None, threading.Lock()
+
+
+_CRC_POOL_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_forget_crc_pool)  # a lock held at the fork stays held
 _ASYNC_CRC_BYTES = 8 << 20
 _CARRAYS: dict[int, Any] = {}
 
@@ -115,7 +138,7 @@ def encode_tensor(tensor: torch.Tensor) -> Encoded:
     head, tail = frame.head, frame.tail
     length = len(head) + len(data) + len(tail)
     if len(data) >= _ASYNC_CRC_BYTES:
-        fut = _CRC_POOL.submit(_crc_tail, frame.head_crc, data, tail)
+        fut = _crc_pool().submit(_crc_tail, frame.head_crc, data, tail)
         return Encoded([head, data, tail], length, 0, len(head), t, fut)
     crc = _crc_tail(frame.head_crc, data, tail)
     return Encoded([head, data, tail], length, crc, len(head), t)
@@ -138,7 +161,7 @@ def _encode_with_torch_pickle(t: torch.Tensor) -> Encoded:
     framed = frame_records(t)
     keep = (t, framed.keepalive)
     if framed.length >= _ASYNC_CRC_BYTES:
-        fut = _CRC_POOL.submit(_crc_parts, framed.parts)
+        fut = _crc_pool().submit(_crc_parts, framed.parts)
         return Encoded(framed.parts, framed.length, 0, None, keep, fut)
     return Encoded(framed.parts, framed.length, _crc_parts(framed.parts), None, keep)
 
