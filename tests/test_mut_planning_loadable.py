@@ -194,3 +194,51 @@ def test_the_key_path_is_shown_exactly_when_the_key_does_not_spell_it(
     with pytest.raises(UnloadableValueError) as info2:
         refuse_unloadable({key: Opaque()})
     assert f"key {key!r}, type {_OPAQUE}" in str(info2.value)
+
+
+@pytest.mark.spec("SAVE-12", "SAVE-13")
+@pytest.mark.parametrize("n", [10_001, 30_000])
+def test_an_unloadable_value_after_many_plain_ones_is_still_found(n: int) -> None:
+    # past the plain-data walk's budget the check falls back to the round trip: never "plain"
+    assert loadability_problem([*range(n), Opaque()]) is not None
+    assert loadability_problem({"xs": list(range(n)), "o": Opaque()}) is not None
+    assert loadability_problem([*range(n), "fine"]) is None
+
+
+class Fussy:
+    """Allowed by the caller, but its ``__setstate__`` refuses at load."""
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"x": 1}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        raise ValueError("this value refuses to load")
+
+
+@pytest.mark.spec("SAVE-12")
+def test_a_load_failure_that_is_not_a_refused_global_is_quoted_as_is() -> None:
+    problem = loadability_problem(Fussy(), [Fussy])
+    assert problem is not None
+    assert "cannot unpickle it (this value refuses to load); to keep it" in problem
+
+
+@pytest.mark.spec("SAVE-12", "ASYNC-17")
+def test_a_staging_failure_also_says_why_the_value_could_not_be_saved() -> None:
+    from refdcp.staging.cpu_stager import CpuStager
+
+    gen = (i for i in range(3))  # cannot be deep-copied, nor pickled
+    with pytest.raises(UnloadableValueError) as info:
+        CpuStager().stage({"opt": {"it": gen}})
+    msg = str(info.value)
+    assert "key 'opt.it', type generator: cannot be staged (TypeError: " in msg
+    assert "; cannot be pickled (TypeError: " in msg  # the save-time reason, appended
+
+    class Bare(torch.Tensor):  # a tensor subclass without new_empty: no deep copy
+        pass
+
+    with pytest.raises(UnloadableValueError) as info2:
+        CpuStager().stage({"u": torch.ones(2).as_subclass(Bare)})
+    msg2 = str(info2.value).rstrip()
+    assert "key 'u', type " in msg2 and "cannot be staged (RuntimeError: " in msg2
+    assert "; None" not in msg2  # a dense tensor saves fine: no save-time reason appended
+    assert "cannot be pickled" not in msg2 and "cannot unpickle" not in msg2

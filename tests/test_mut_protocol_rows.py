@@ -106,3 +106,12 @@ def test_the_phase_list_starts_idle_and_lists_every_row_phase(table: Table) -> N
     phases = table.phases
     assert phases[0] is Phase.IDLE
     assert phases == list(dict.fromkeys(p for r in table.rows for p in (r.phase, r.next)))
+
+
+@pytest.mark.spec("PROTO-1", "PROTO-10")
+@TABLES
+def test_the_steps_are_exactly_those_the_local_rows_call(table: Table) -> None:
+    steps = table.steps
+    assert None not in steps
+    assert steps == {r.step for r in table.rows if r.kind is Kind.LOCAL}
+    assert all(isinstance(s, Step) for s in steps) and Step.SET_UP in steps

@@ -125,3 +125,14 @@ def test_the_first_of_two_uncopyable_values_is_named_and_equal_objects_are_not_c
     # the value sits at the root of a list: its index is its path under the key
     with pytest.raises(UnloadableValueError, match=r"key 'l\.0', type "):
         CpuStager().stage({"l": [second]})
+
+
+@pytest.mark.spec("ASYNC-17", "STAGE-7")
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_tensor_that_cannot_be_copied_is_named_by_its_key_path(cached: bool) -> None:
+    sd = {"ok": torch.ones(2), "m": {"x": [torch.empty(2, device="meta")]}}
+    stager = CpuStager(cache_staged_state_dict=cached, pin_memory=False)
+    with pytest.raises(UnloadableValueError, match=r"key 'm\.x\.0', type torch\.Tensor: ") as info:
+        stager.stage(sd)
+    assert "meta tensor" in str(info.value) and info.value.__cause__ is not None
+    stager.close()  # the failed copy returned its buffers
