@@ -326,3 +326,31 @@ def test_the_fingerprint_changes_exactly_when_the_structure_does(
     f1 = structure_fingerprint(flatten_state_dict(_structured(v1, x1)))
     f2 = structure_fingerprint(flatten_state_dict(_structured(v2, x2)))
     assert (f1 == f2) == (_structure_model(v1) == _structure_model(v2))
+
+
+@pytest.mark.spec("PLAN-10", "DEDUP-13")
+@pytest.mark.parametrize("odd", [1, 2])
+def test_a_replica_that_diverges_from_its_own_class_is_caught_on_the_cached_path(
+    odd: int,
+) -> None:
+    """Ranks 1 and 2 hold the same items (one class); the coordinator agrees with the other
+    one, so only comparing the two peers with each other can find the disagreement."""
+    from refdcp.errors import CheckpointError
+
+    storage = refdcp.MemoryStorage()
+
+    def rank(comm: Any) -> tuple[list[bool], str]:
+        planner = RecordingPlanner(enable_plan_caching=True)
+        for step in range(2):
+            sd = {"w": torch.full((4,), float(step))}
+            refdcp.save(sd, storage_writer=storage.writer(f"c{step}"), planner=planner, comm=comm)
+        bad = {"w": torch.full((4,), 5.0 if comm.rank == odd else 1.0)}
+        try:
+            refdcp.save(bad, storage_writer=storage.writer("bad"), planner=planner, comm=comm)
+        except CheckpointError as e:
+            return planner.markers, str(e)
+        return planner.markers, ""
+
+    for markers, msg in FakeWorld(3).run(rank):
+        assert markers == [False, True, True]
+        assert "differ in value" in msg and "'w'" in msg and str(odd) in msg
