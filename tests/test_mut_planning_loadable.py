@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from refdcp.planning.loadable import (
@@ -85,6 +85,9 @@ def _insert(value: Any, bad: Any, where: int) -> tuple[Any, bool]:
 
 @pytest.mark.spec("SAVE-13")
 @given(plain)
+@example([torch.arange(3.0)])
+@example({"a": (torch.ones(2), [1, "x", None]), 2: {b"k": 1j}})
+@example((True, 1.5, torch.zeros(0, 2, dtype=torch.int8)))
 def test_plain_data_passes_without_a_pickle_round_trip(value: Any) -> None:
     calls = []
     real = torch.save
@@ -175,6 +178,7 @@ path_parts = st.lists(
 
 
 @pytest.mark.spec("SAVE-12")
+@settings(max_examples=60)  # cheap examples
 @given(path_parts, st.booleans())
 def test_the_key_path_is_shown_exactly_when_the_key_does_not_spell_it(
     path: list[Any], given_path: bool

@@ -309,6 +309,7 @@ def _structure_model(v: dict[str, Any]) -> tuple[Any, ...]:
 
 
 @pytest.mark.spec("PLAN-9")
+@settings(max_examples=60)  # cheap examples
 @given(
     STRUCTURE,
     STRUCTURE,

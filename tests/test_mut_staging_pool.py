@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refdcp.staging.buffer_pool import BufferPool, Lease, StagingTimeoutError, allocate
@@ -34,6 +34,7 @@ OPS = st.lists(
 
 
 @pytest.mark.spec("STAGE-3", "STAGE-5")
+@settings(max_examples=60)  # cheap examples
 @given(st.integers(1, 2), OPS)
 def test_a_stale_lease_never_frees_a_set_leased_again(
     max_sets: int, ops: list[tuple[str, int]]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refdcp.planning.loadable import UnloadableValueError
@@ -89,6 +89,7 @@ def _with_bad(tree: Any, bad: Any, choice: int) -> tuple[Any, tuple[Any, ...]]:
 
 
 @pytest.mark.spec("ASYNC-17", "STAGE-9")
+@settings(max_examples=60)  # cheap examples
 @given(
     st.dictionaries(st.text("xy", min_size=1, max_size=2), trees, min_size=1, max_size=3),
     st.integers(0, 100),
