@@ -84,13 +84,13 @@ def dense_plans(draw: st.DrawFn) -> list[list[WriteItem]]:
     for t in range(draw(st.integers(1, 3))):
         fqn = f"t{t}"
         ndim = rng.choice([1, 1, 2, 2, 3])
-        size = tuple(rng.randint(1, 3) for _ in range(ndim))
+        size = tuple(rng.randint(1, 5 if ndim == 1 else 3) for _ in range(ndim))
         chunks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         if rng.random() < 0.5:  # start from a valid tiling along dim 0, then damage it
             cuts = sorted({0, *(rng.randint(0, size[0]) for _ in range(2))})
             ends = [*cuts[1:], size[0]]
             chunks = [((a, *[0] * (ndim - 1)), (b - a, *size[1:])) for a, b in zip(cuts, ends)]
-        for _ in range(rng.randint(0, 3)):
+        for _ in range(rng.randint(0, 4)):
             if chunks and rng.random() < 0.4:
                 chunks.append(rng.choice(chunks))  # the same chunk again (another rank)
             else:
@@ -207,3 +207,21 @@ def test_valid_plans_record_every_chunk_once_with_dtype_and_shape(
         assert entry.properties.dtype == dtype and tuple(entry.size) == size
         got = sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
         assert got == chunks
+
+
+@pytest.mark.spec("META-3", "META-5")
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [(0, 1), (1, 2), (2, 2)],  # the 2nd and 3rd overlap; the hole at 4 makes the volume 5
+        [(0, 2), (2, 1), (2, 1), (4, 0)],  # the same chunk twice after a clean one, a hole at 3
+        [(0, 1), (1, 1), (2, 2), (3, 1)],  # the 3rd and 4th overlap, the volume is 5
+    ],
+    ids=["later-pair", "repeat", "tail"],
+)
+def test_an_overlap_that_is_not_between_the_first_chunks_is_found(
+    chunks: list[tuple[int, int]],
+) -> None:
+    plans = [[_tensor("w", (a,), (n,), (5,)) for a, n in chunks], [_tensor("v", (0,), (5,), (5,))]]
+    _, problems = build_state_dict_metadata(plans)
+    assert [k for _, k in map(_kind, problems)] == ["overlap"], problems
