@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import refdcp
@@ -245,6 +245,10 @@ class Checkpointable:
         ]
 
 
+class Sub(torch.Tensor):
+    """A tensor subclass: planned through its write items, like any tensor-like value."""
+
+
 STRUCTURE = st.fixed_dictionaries(
     {
         "keys": st.sampled_from([("a", "b"), ("b", "a"), ("a", "c")]),
@@ -259,6 +263,7 @@ STRUCTURE = st.fixed_dictionaries(
             [{}, {"requires_grad": True}, {"memory_format": torch.channels_last}]
         ),
         "empty": st.sampled_from([None, "e", "f"]),
+        "sub_shape": st.sampled_from([(3,), (1, 3)]),
     }
 )
 
@@ -274,6 +279,7 @@ STRUCTURE_FIELDS = (
     "cp_dtype",
     "cp_props",
     "empty",
+    "sub_shape",
 )
 
 
@@ -290,6 +296,7 @@ def _structured(v: dict[str, Any], value: float) -> dict[str, Any]:
         sd[v["object"]] = value
     if v["empty"] is not None:
         sd[v["empty"]] = {}
+    sd["sub"] = torch.full(v["sub_shape"], value).as_subclass(Sub)  # a tensor subclass
     return sd
 
 
@@ -305,7 +312,23 @@ def _structure_model(v: dict[str, Any]) -> tuple[Any, ...]:
         v["cp_dtype"],
         tuple(sorted(v["cp_props"].items(), key=str)),
         v["empty"],
+        v["sub_shape"],
     )
+
+
+_BASE = {
+    "keys": ("a", "b"),
+    "shape": (4,),
+    "dtype": torch.float32,
+    "grad": False,
+    "param": False,
+    "object": "step",
+    "cp_rows": 2,
+    "cp_dtype": torch.float32,
+    "cp_props": {},
+    "empty": None,
+    "sub_shape": (3,),
+}
 
 
 @pytest.mark.spec("PLAN-9")
@@ -317,6 +340,12 @@ def _structure_model(v: dict[str, Any]) -> tuple[Any, ...]:
     st.floats(-1, 1),
     st.floats(-1, 1),
 )
+@example(_BASE, {**_BASE, "cp_props": {"requires_grad": True}}, {"cp_props"}, 0.0, 1.0)
+@example(_BASE, {**_BASE, "cp_props": {"memory_format": torch.channels_last}}, {"cp_props"}, 0, 0)
+@example(_BASE, {**_BASE, "param": True}, {"param"}, 0.0, 0.5)
+@example(_BASE, {**_BASE, "object": "epoch"}, {"object"}, 0.0, 0.0)
+@example(_BASE, {**_BASE, "cp_dtype": torch.float16}, {"cp_dtype"}, 0.0, 0.0)
+@example(_BASE, {**_BASE, "sub_shape": (1, 3)}, {"sub_shape"}, 0.0, 0.0)
 def test_the_fingerprint_changes_exactly_when_the_structure_does(
     v1: dict[str, Any], other: dict[str, Any], changed: set[str], x1: float, x2: float
 ) -> None:
