@@ -37,7 +37,8 @@ def test_chunks_ending_exactly_at_x_are_not_returned(
     assert index.visited == 0
     got = index.indices_ending_after(x, last)
     assert got == [i for i in range(last) if ends[i] > x]
-    assert index.visited >= max(1, len(got))  # the root (a leaf itself for one chunk) and each returned leaf
+    # the root (itself a leaf for one chunk) and each returned leaf
+    assert index.visited >= max(1, len(got))
     before = index.visited
     again = index.indices_ending_after(x, last)
     assert again == got and index.visited >= before + max(1, len(got))
