@@ -1,9 +1,9 @@
 """Item encoding and decoding, observed through the storages (FMT-2..FMT-4, STORE-12, INTEG-3; issue 13).
 
-Every dtype and shape (0-d, empty, views, non-contiguous, sparse, quantized)
-round-trips bit-exactly through the in-memory and filesystem storages, without a warning; ``verify_blob`` names truncation and
-mismatch; the bytes refdcp stores for a tensor are exactly what ``torch.load``
-reads back.
+Every dtype and shape (0-d, empty, views, non-contiguous, quantized)
+round-trips bit-exactly through the in-memory and filesystem storages without
+a warning; ``verify_blob`` names truncation and mismatch; the bytes refdcp
+stores for a tensor (sparse included) are exactly what ``torch.load`` reads back.
 """
 
 from __future__ import annotations
