@@ -555,7 +555,38 @@ _BAD: dict[str, tuple[Callable[[Metadata], None], str, str]] = {
         r"extra",
         "unexpected type type",
     ),
+    # the walk goes on after a str, a path, a leaf and an object seen before (popped first)
+    "planner data: a bad object before a str": (
+        _setter(lambda md: md, "planner_data", [object(), "s"]),
+        r"planner_data\[0\]",
+        "unexpected type object",
+    ),
+    "planner data: a bad object before bytes": (
+        _setter(lambda md: md, "planner_data", [object(), b"s"]),
+        r"planner_data\[0\]",
+        "unexpected type object",
+    ),
+    "planner data: a bad object before a path": (
+        _setter(lambda md: md, "planner_data", [object(), pathlib.PurePosixPath("p")]),
+        r"planner_data\[0\]",
+        "unexpected type object",
+    ),
+    "planner data: a bad object before a leaf": (
+        _setter(lambda md: md, "planner_data", [object(), torch.float32]),
+        r"planner_data\[0\]",
+        "unexpected type object",
+    ),
+    "planner data: a bad object before a shared list": (
+        lambda md: setattr(md, "planner_data", _shared_after_bad()),
+        r"planner_data\[0\]",
+        "unexpected type object",
+    ),
 }
+
+
+def _shared_after_bad() -> list[Any]:
+    shared = [1]
+    return [object(), shared, shared]
 
 
 def _field_of(exc: BaseException) -> str:
@@ -705,6 +736,17 @@ def test_nesting_up_to_the_depth_limit_passes_and_deeper_is_refused(depth: int) 
     md.planner_data = nested(depth + 1)
     with pytest.raises(MalformedMetadataError, match=f"nested deeper than {depth} levels"):
         _check(md, limits)
+
+
+@pytest.mark.spec("FMT-9")
+def test_dcp_objects_in_other_fields_count_towards_the_depth() -> None:
+    """A TensorStorageMetadata as planner data: its chunk list at depth 1, a chunk at 2."""
+    md = valid_md()
+    md.planner_data = _tsm([4], [([0], [4])])
+    _check(md, MetadataLimits(max_depth=3))
+    with pytest.raises(MalformedMetadataError, match="nested deeper than 2 levels") as err:
+        _check(md, MetadataLimits(max_depth=2))
+    assert err.value.field == "planner_data.chunks[0]"
 
 
 @pytest.mark.spec("FMT-9")
