@@ -245,6 +245,14 @@ def _raw_index(fqn: Any, offset: Any, index: Any) -> MetadataIndex:
     return key
 
 
+def _both(*steps: Callable[[Metadata], None]) -> Callable[[Metadata], None]:
+    def go(md: Metadata) -> None:
+        for step in steps:
+            step(md)
+
+    return go
+
+
 def _add_entry(fqn: Any, entry: Any) -> Callable[[Metadata], None]:
     return lambda md: md.state_dict_metadata.__setitem__(fqn, entry)
 
@@ -401,6 +409,47 @@ _BAD: dict[str, tuple[Callable[[Metadata], None], str, str]] = {
         _setter(lambda md: md.state_dict_metadata["scalar"].chunks[0], "sizes", _S([1])),
         r"state_dict_metadata\['scalar'\]\.chunks\[0\]\.sizes",
         "has 1 dimensions, expected 0",
+    ),
+    # the same faults where no earlier chunk is valid (the fast path looks at chunk 0 first)
+    "size negative, no chunks": (
+        _both(_setter(_entry, "chunks", []), _setter(_entry, "size", _S([4, -6]))),
+        _W + r"\.size",
+        "has a negative entry -6",
+    ),
+    "the only chunk None": (
+        _setter(_entry, "chunks", [None]),
+        _W + r"\.chunks\[0\]",
+        "expected a ChunkStorageMetadata, got NoneType",
+    ),
+    "first chunk offsets a list": (
+        _setter(_chunk(0), "offsets", [0, 0]),
+        _W + r"\.chunks\[0\]\.offsets",
+        "expected a torch.Size",
+    ),
+    "first chunk sizes a list": (
+        _setter(_chunk(0), "sizes", [2, 6]),
+        _W + r"\.chunks\[0\]\.sizes",
+        "expected a torch.Size",
+    ),
+    "first chunk offsets 1-d": (
+        _setter(_chunk(0), "offsets", _S([0])),
+        _W + r"\.chunks\[0\]\.offsets",
+        "has 1 dimensions, expected 2",
+    ),
+    "first chunk sizes 3-d": (
+        _setter(_chunk(0), "sizes", _S([2, 6, 1])),
+        _W + r"\.chunks\[0\]\.sizes",
+        "has 3 dimensions, expected 2",
+    ),
+    "first chunk offset negative in dim 1": (
+        _setter(_chunk(0), "offsets", _S([0, -1])),
+        _W + r"\.chunks\[0\]\.offsets",
+        "negative entry -1",
+    ),
+    "first chunk size negative in dim 0": (
+        _both(_setter(_chunk(0), "sizes", _S([-1, 6])), _setter(_chunk(0), "offsets", _S([1, 0]))),
+        _W + r"\.chunks\[0\]\.sizes",
+        "negative entry -1",
     ),
     # storage_data records
     "key a str": (
