@@ -115,14 +115,16 @@ def test_a_flipped_byte_anywhere_in_the_stored_range_is_named(
 @pytest.mark.parametrize(
     ("head", "size", "tail"), [(64, 5, 22), (0, 40, 0), (8, PIECE_BYTES + 9, 3)]
 )
-@pytest.mark.parametrize("cut", [0, 1, 7, 8, 9, 20, 63, 64, 65, 68, 69, 80])
+@pytest.mark.parametrize("cut", [0, 1, 7, 8, 9, 20, 63, 64, 65, 68, 69, 80, -1])
 def test_a_file_cut_short_anywhere_in_the_item_is_named_at_the_cut(
     open_file: Any, head: int, size: int, tail: int, cut: int
 ) -> None:
     data = bytes(size)
     content, info = _item(head, data, tail)
     stored = head + size + tail
-    if cut >= stored:
+    if cut == -1:  # inside the second piece of a large item
+        cut = head + PIECE_BYTES + 4 if size > PIECE_BYTES else stored - 1
+    elif cut >= stored:
         cut = stored - 1 - (cut % 3)
     fd = open_file(content[: BASE + cut])
     with pytest.raises(CorruptionError, match="data file truncated") as err:

@@ -200,7 +200,7 @@ def test_committed_references_of_rank_metadata_and_missing_files(tmp_path: Path)
     (tmp_path / "__3.metadata").write_bytes(md)
     assert committed_references(tmp_path) == data
     # a name that vanished meanwhile is skipped, other names are ignored
-    assert committed_references(tmp_path, [".metadata", "__7.metadata", "x.metadata"]) == data
+    assert committed_references(tmp_path, ["__7.metadata", ".metadata", "x.metadata"]) == data
     assert committed_references(tmp_path, []) == set()
     assert committed_references(tmp_path / "missing") is None
 
@@ -209,8 +209,9 @@ def test_committed_references_of_rank_metadata_and_missing_files(tmp_path: Path)
 def test_remove_files_reports_what_it_removed_and_warns_on_failure(tmp_path: Path) -> None:
     _touch(tmp_path, "a", "b")
     (tmp_path / "d").mkdir()
-    with pytest.warns(UserWarning, match="could not remove"):
+    with pytest.warns(UserWarning, match="could not remove") as caught:
         removed = remove_files(tmp_path, ["a", "missing", "d", "b"])
+    assert caught[0].filename == __file__  # blames the caller of remove_files
     assert removed == ["a", "b"]
     assert os.listdir(tmp_path) == ["d"]
 
