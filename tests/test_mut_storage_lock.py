@@ -319,3 +319,60 @@ def test_live_lock_tokens_ignores_other_files_and_stale_locks(tmp_path: Path) ->
 @pytest.mark.spec("STORE-31")
 def test_live_lock_tokens_of_a_missing_directory_cannot_be_told(tmp_path: Path) -> None:
     assert live_lock_tokens(tmp_path / "missing") is None
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.spec("STORE-29")
+def test_taking_refusing_and_releasing_locks_leaks_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _open_fds()
+    for _ in range(3):
+        lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+        with pytest.raises(ConcurrentSaveError):
+            acquire_save_lock(tmp_path, ".metadata", "ffffffffffff")
+        lock.release()
+    assert _open_fds() == before
+
+    real_link = os.link
+
+    def no_link(src: Any, dst: Any) -> None:
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+    lock.release()
+    assert _open_fds() == before
+
+    def broken(src: Any, dst: Any) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "link", broken)
+    with pytest.raises(OSError):
+        acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+    assert _open_fds() == before
+    monkeypatch.setattr(os, "link", real_link)
+
+
+@pytest.mark.spec("STORE-29")
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_the_lock_file_is_a_plain_file_others_can_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool
+) -> None:
+    """Mode 0o644 (less the umask): other users' saves can read who holds it."""
+    if not hard_links:
+
+        def no_link(src: Any, dst: Any) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    umask = os.umask(0o022)
+    try:
+        lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / ".metadata.lock").stat().st_mode & 0o777 == 0o644
+    lock.release()

@@ -98,6 +98,8 @@ def _check(md: Metadata, limits: MetadataLimits = LIMITS, filesystem: bool = Tru
 def test_every_kind_of_valid_entry_is_accepted_alone_and_through_load_metadata() -> None:
     md = valid_md()
     _check(md)
+    _check(_detailed(md))
+    load_metadata(dump_metadata(_detailed(md)))
     back = load_metadata(dump_metadata(copy.deepcopy(md)))
     assert set(back.state_dict_metadata) == set(md.state_dict_metadata)
     assert len(back.storage_data) == len(md.storage_data)
@@ -201,6 +203,19 @@ _VALID_VARIANTS: dict[str, Callable[[Metadata], None]] = {
 }
 
 
+def _detailed(md: Metadata) -> Metadata:
+    """The same metadata, still valid, in a form no quick check passes: every entry's
+    properties lack ``pin_memory`` and every record has empty transform descriptors."""
+    md = copy.deepcopy(md)
+    for entry in md.state_dict_metadata.values():
+        if isinstance(entry, TensorStorageMetadata):
+            entry.properties.__dict__.pop("pin_memory", None)
+    for info in (md.storage_data or {}).values():
+        if info.transform_descriptors is None:
+            info.transform_descriptors = []
+    return md
+
+
 @pytest.mark.spec("FMT-9")
 @pytest.mark.parametrize("case", sorted(_VALID_VARIANTS))
 def test_valid_variants_are_accepted(case: str) -> None:
@@ -208,6 +223,8 @@ def test_valid_variants_are_accepted(case: str) -> None:
     _VALID_VARIANTS[case](md)
     _check(md)
     _check(md, filesystem=False)
+    _check(_detailed(md))
+    _check(_detailed(md), filesystem=False)
     if case != "planner data of leaves":  # a bare memory_format is not among FMT-6's types
         load_metadata(dump_metadata(md))
 
@@ -641,6 +658,15 @@ def _shared_after_bad() -> list[Any]:
 def _field_of(exc: BaseException) -> str:
     assert isinstance(exc, MalformedMetadataError)
     return exc.field
+
+
+@pytest.mark.spec("FMT-9")
+def test_another_backends_records_are_walked_for_allowed_types() -> None:
+    md = valid_md()
+    md.storage_data[_key(md, "scalar")] = {"path": "x", "bad": [object()]}
+    with pytest.raises(MalformedMetadataError, match="unexpected type object") as err:
+        _check(md, filesystem=False)
+    assert err.value.field == "storage_data['scalar']['bad'][0]"
 
 
 @pytest.mark.spec("FMT-9")
