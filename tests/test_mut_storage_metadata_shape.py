@@ -825,6 +825,16 @@ def test_dcp_objects_in_other_fields_count_towards_the_depth() -> None:
 
 
 @pytest.mark.spec("FMT-9")
+def test_a_tuple_used_as_a_dict_key_counts_towards_the_depth() -> None:
+    md = valid_md()
+    md.planner_data = {(1, "a"): 0}
+    _check(md, MetadataLimits(max_depth=2))
+    with pytest.raises(MalformedMetadataError, match="nested deeper than 1 levels") as err:
+        _check(md, MetadataLimits(max_depth=1))
+    assert err.value.field == "planner_data.<key>"
+
+
+@pytest.mark.spec("FMT-9")
 def test_a_cycle_is_walked_once_even_at_a_small_depth_limit() -> None:
     md = valid_md()
     a: list[Any] = []
