@@ -102,7 +102,7 @@ def test_a_lock_file_whose_flock_is_free_is_stale_and_taken_over_in_place(
 ) -> None:
     """Staleness is the flock, whatever the file says (even a live pid: it is not holding it)."""
     path = tmp_path / ".metadata.lock"
-    path.write_bytes(content + b" " * 5000)
+    path.write_bytes(content + b"x" * 5000)  # longer than any payload, not whitespace
     ino = path.stat().st_ino
     lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
     assert path.stat().st_ino == ino  # taken over in place
