@@ -443,6 +443,11 @@ _BAD: dict[str, tuple[Callable[[Metadata], None], str, str]] = {
         _W + r"\.chunks\[0\]\.offsets",
         "expected a torch.Size",
     ),
+    "the only chunk's offsets a list": (
+        _setter(lambda md: md.state_dict_metadata["edge"].chunks[0], "offsets", [5]),
+        r"state_dict_metadata\['edge'\]\.chunks\[0\]\.offsets",
+        "expected a torch.Size",
+    ),
     "first chunk sizes a list": (
         _setter(_chunk(0), "sizes", [2, 6]),
         _W + r"\.chunks\[0\]\.sizes",
