@@ -253,6 +253,7 @@ def test_abort_writer_calls_abort_save_and_never_raises() -> None:
         abort_writer(ok)
         abort_writer(object())  # a writer without abort_save: nothing to do
     assert ok.calls == 1
-    with pytest.warns(UserWarning, match="cleaning up after a failed save failed: disk gone"):
+    with pytest.warns(UserWarning, match="cleaning up after a failed save failed: disk gone") as w:
         abort_writer(bad)
+    assert w[0].filename == __file__  # blames the caller of abort_writer
     assert bad.calls == 1

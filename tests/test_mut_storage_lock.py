@@ -376,3 +376,61 @@ def test_the_lock_file_is_a_plain_file_others_can_read(
         os.umask(umask)
     assert (tmp_path / ".metadata.lock").stat().st_mode & 0o777 == 0o644
     lock.release()
+
+
+@pytest.mark.spec("STORE-29")
+def test_a_lock_released_between_open_and_flock_is_created_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder removes the lock file just before our flock: start over, never take a
+    file that is no longer the lock."""
+    path = tmp_path / ".metadata.lock"
+    path.write_text(json.dumps({"token": "aaaaaaaaaaaa"}))  # stale: nobody holds its flock
+    real = fcntl.flock
+    removed = [0]
+
+    def releasing_holder(fd: int, op: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        if target == str(path) and not removed[0]:
+            removed[0] = 1
+            path.unlink()  # the holder released it in between
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", releasing_holder)
+    before = len(os.listdir("/proc/self/fd"))
+    lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+    assert removed[0] == 1
+    assert path.exists() and _info(path)["token"] == "0123456789ab"
+    assert path.stat().st_ino == os.fstat(lock.fd).st_ino  # type: ignore[arg-type]
+    lock.release()
+    assert not path.exists() and len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.spec("STORE-31")
+def test_a_lock_file_gone_between_listing_and_probing_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+    real = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: ["__1.metadata.lock", *real(p)])
+    before = len(real("/proc/self/fd"))
+    assert live_lock_tokens(tmp_path) == {"0123456789ab"}
+    assert len(real("/proc/self/fd")) == before  # the probe closes what it opened
+    lock.release()
+
+
+@pytest.mark.spec("STORE-29")
+def test_without_a_readable_boot_id_the_lock_records_an_empty_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Path.read_text
+
+    def no_proc(self: Path, *args: Any, **kwargs: Any) -> str:
+        if str(self) == str(_BOOT):
+            raise FileNotFoundError(str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
+    assert _info(tmp_path / ".metadata.lock")["boot_id"] == ""
+    lock.release()

@@ -93,6 +93,7 @@ def test_other_os_errors_propagate_as_they_are(tmp_path: Path) -> None:
 @pytest.mark.spec("STORE-27")
 def test_a_directory_or_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     (tmp_path / "dir.distcp").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(
         UnsafePathError, match=r"dir\.distcp: is not a regular file \(a directory\)"
     ):
@@ -100,6 +101,7 @@ def test_a_directory_or_fifo_is_refused_without_blocking(tmp_path: Path) -> None
     os.mkfifo(tmp_path / "fifo.distcp")
     with pytest.raises(UnsafePathError, match=r"is not a regular file \(a FIFO\)"):
         open_data_file(tmp_path, "fifo.distcp")
+    assert len(os.listdir("/proc/self/fd")) == before  # a refused file is closed
 
 
 @pytest.mark.spec("STORE-27")
