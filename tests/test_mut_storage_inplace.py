@@ -223,3 +223,25 @@ def test_a_truncated_item_is_named(tmp_path: Path, size: int) -> None:
         assert e.value.offset == PAD and e.value.fqn == "w"
     finally:
         os.close(fd)
+
+
+@pytest.mark.spec("STORE-41")
+def test_streamed_verification_holds_at_most_8_mib(tmp_path: Path) -> None:
+    import tracemalloc
+
+    size = 20 << 20
+    p = tmp_path / "big"
+    with open(p, "wb") as f:
+        f.truncate(PAD + size)  # sparse: zeros
+    crc = crc32c.crc32c(bytes(1 << 20))
+    for _ in range(19):
+        crc = crc32c.crc32c(bytes(1 << 20), crc)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        tracemalloc.start()
+        verify_streaming(fd, PAD, size, crc, "w", "big")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        os.close(fd)
+    assert peak <= (8 << 20) + (64 << 10), peak
