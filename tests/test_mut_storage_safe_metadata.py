@@ -238,3 +238,43 @@ def test_pathlib_paths_of_a_real_metadata_round_trip() -> None:
     back = load_metadata(dump_metadata(md))
     assert back.storage_meta is not None
     assert back.storage_meta.checkpoint_id == pathlib.Path("/ckpt/run/step-1")
+
+
+def _memo_sizes(dims: int, count: int) -> bytes:
+    """``count`` torch.Size objects built from one memoized ``dims``-tuple."""
+    out = bytearray(b"\x80\x04" + _global("torch", "Size") + b"q\x00(")
+    out += b"K\x01" * dims + b"tq\x01]("
+    out += b"h\x00h\x01\x85R" * count
+    return bytes(out + b"e.")
+
+
+def _memo_builds(keys: int, count: int) -> bytes:
+    """``count`` BytesStorageMetadata objects each BUILD with one memoized ``keys``-entry dict."""
+    out = bytearray(b"\x80\x04")
+    out += _global("torch.distributed.checkpoint.metadata", "BytesStorageMetadata") + b"q\x00}("
+    for k in range(keys):
+        out += _str(f"k{k}") + b"K\x01"
+    out += b"uq\x01]("
+    out += b"h\x00)\x81h\x01b" * count
+    return bytes(out + b"e.")
+
+
+@pytest.mark.spec("FMT-11")
+@pytest.mark.parametrize("kind", ["sizes", "builds"])
+def test_the_budget_is_the_file_size_plus_slack_exactly(kind: str) -> None:
+    """Charges of exactly file size + slack pass; one unit more is refused."""
+    per, count = 50, 200
+    data = _memo_sizes(per, count) if kind == "sizes" else _memo_builds(per, count)
+    slack = per * count - len(data)
+    assert slack > 0
+    assert len(safe_loads(data, MetadataLimits(slack_units=slack))) == count
+    with pytest.raises(UnsafeMetadataError, match="memory bomb"):
+        safe_loads(data, MetadataLimits(slack_units=slack - 1))
+
+
+@pytest.mark.spec("FMT-11")
+def test_a_state_with_some_non_str_keys_is_refused() -> None:
+    new = b"\x80\x04" + _global("torch.distributed.checkpoint.metadata", "StorageMeta") + b")\x81"
+    mixed = b"N}(" + _str("save_id") + _str("s") + b"K\x01K\x02u\x86b."
+    with pytest.raises(UnsafeMetadataError, match="gives a StorageMeta a malformed state"):
+        safe_loads(new + mixed)
