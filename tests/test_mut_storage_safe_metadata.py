@@ -7,10 +7,12 @@ trailer and format checks refuse exactly the files they must.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import pickle
 import struct
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -33,6 +35,7 @@ from refdcp.storage.safe_metadata import (
     dump_metadata,
     has_checksum_trailer,
     load_metadata,
+    read_metadata_file,
     safe_loads,
 )
 
@@ -278,3 +281,56 @@ def test_a_state_with_some_non_str_keys_is_refused() -> None:
     mixed = b"N}(" + _str("save_id") + _str("s") + b"K\x01K\x02u\x86b."
     with pytest.raises(UnsafeMetadataError, match="gives a StorageMeta a malformed state"):
         safe_loads(new + mixed)
+
+
+def _memo_calls(parts: list[tuple[str, str, bytes, int]]) -> bytes:
+    """A list of calls: for each (module, name, pickled argument tuple, count), ``count``
+    calls of that global with one memoized argument tuple."""
+    out = bytearray(b"\x80\x04")
+    memo = 0
+    refs = []
+    for module, name, args, count in parts:
+        out += _global(module, name) + b"q" + bytes([memo])
+        out += args + b"q" + bytes([memo + 1])
+        refs.append((memo, memo + 1, count))
+        memo += 2
+    out += b"]("
+    for f, a, count in refs:
+        out += (b"h" + bytes([f]) + b"h" + bytes([a]) + b"R") * count
+    return bytes(out + b"e.")
+
+
+@pytest.mark.spec("FMT-11")
+@pytest.mark.parametrize("cls", ["set", "frozenset"])
+def test_sets_are_charged_their_size_and_empty_ones_nothing(cls: str) -> None:
+    per, count = 40, 100
+    one_list = b"(](" + b"K\x01" * per + b"e\x85"  # the argument tuple ([1]*per,)
+    data = _memo_calls(
+        [("builtins", cls, one_list, count), ("builtins", cls, b")", 50)]  # 50 empty sets
+    )
+    slack = per * count - len(data)
+    assert slack > 0
+    assert len(safe_loads(data, MetadataLimits(slack_units=slack))) == count + 50
+    with pytest.raises(
+        UnsafeMetadataError, match=f"allows \\({cls}\\); refusing it as a memory bomb"
+    ):
+        safe_loads(data, MetadataLimits(slack_units=slack - 1))
+
+
+@pytest.mark.spec("FMT-10")
+def test_a_file_whose_size_fstat_understates_is_still_capped(tmp_path: Path) -> None:
+    """procfs files report size 0 but have content: the read itself stops at the cap."""
+    with pytest.raises(UnsafeMetadataError, match="grew past the metadata size limit of 100"):
+        read_metadata_file("/proc/self/status", MetadataLimits(max_file_bytes=100))
+    data = read_metadata_file("/proc/self/status", MetadataLimits(max_file_bytes=1 << 20))
+    assert data.startswith(b"Name:")
+
+
+@pytest.mark.spec("FMT-10")
+def test_a_fifo_named_metadata_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / ".metadata")
+    with pytest.raises(UnsafeMetadataError, match="is not a regular file"):
+        read_metadata_file(tmp_path / ".metadata")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(UnsafeMetadataError, match="is not a regular file"):
+        read_metadata_file(tmp_path / "d")
