@@ -334,3 +334,12 @@ def test_a_fifo_named_metadata_is_refused_without_blocking(tmp_path: Path) -> No
     (tmp_path / "d").mkdir()
     with pytest.raises(UnsafeMetadataError, match="is not a regular file"):
         read_metadata_file(tmp_path / "d")
+
+
+@pytest.mark.spec("FMT-10")
+def test_a_file_of_exactly_the_cap_is_read_and_one_byte_more_refused(tmp_path: Path) -> None:
+    (tmp_path / "m").write_bytes(b"x" * 100)
+    assert read_metadata_file(tmp_path / "m", MetadataLimits(max_file_bytes=100)) == b"x" * 100
+    with pytest.raises(UnsafeMetadataError, match="101 bytes is over the metadata size limit"):
+        (tmp_path / "m").write_bytes(b"x" * 101)
+        read_metadata_file(tmp_path / "m", MetadataLimits(max_file_bytes=100))
