@@ -99,8 +99,11 @@ def test_a_truncated_file_reports_each_item_past_the_cut(tmp_path: Path) -> None
     assert [p.fqn for p in report.problems] == [items[-1][1]]
     assert "truncated" in report.problems[0].message
     (tmp_path / name).write_bytes(data[: items[0][0]])  # every item of the file is past the end
+    before = len(os.listdir("/proc/self/fd"))
     report = verify_checkpoint(tmp_path)
     assert sorted(str(p.fqn) for p in report.problems) == sorted(str(t[1]) for t in items)
+    assert all("truncated: 0 of" in p.message for p in report.problems), report.problems
+    assert len(os.listdir("/proc/self/fd")) == before  # every data file it opened is closed
 
 
 @pytest.mark.spec("INTEG-6")
@@ -171,6 +174,23 @@ def test_an_item_without_a_storage_location_is_reported(tmp_path: Path) -> None:
     assert all(
         p.message == "no storage location" and p.file == ".metadata" for p in report.problems
     )
+    assert all(p.offset == 0 for p in report.problems)
+
+
+@pytest.mark.spec("INTEG-6")
+def test_a_tensor_with_one_chunk_of_two_unlocated_is_reported(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _save(tmp_path)
+    md = _md(tmp_path)
+    md.state_dict_metadata["a"].chunks = [  # type: ignore[union-attr]
+        ChunkStorageMetadata(torch.Size([0]), torch.Size([8])),
+        ChunkStorageMetadata(torch.Size([8]), torch.Size([8])),
+    ]
+    md.state_dict_metadata["c"].chunks = []  # type: ignore[union-attr]
+    (tmp_path / ".metadata").write_bytes(dump_metadata(md))
+    report = verify_checkpoint(tmp_path)
+    assert [(p.fqn, p.message) for p in report.problems] == [("a", "no storage location")]
 
 
 @pytest.mark.spec("INTEG-6")
