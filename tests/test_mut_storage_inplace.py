@@ -113,6 +113,20 @@ def _without_pickle(item: bytes) -> bytes:
     return out.getvalue()
 
 
+def _foreign_persistent_id(item: bytes) -> bytes:
+    """The archive with its data.pkl naming a persistent id of another kind than 'storage'."""
+    src = zipfile.ZipFile(io.BytesIO(item))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert b"storage" in data
+                data = data.replace(b"storage", b"xtorage", 1)
+            dst.writestr(info.filename, data)
+    return out.getvalue()
+
+
 _T = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 
 
@@ -130,6 +144,7 @@ _T = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         ("a sparse tensor", _saved(_T.to_sparse()), torch.float32, [3, 4]),
         ("a deflated member", _deflated(_saved(_T)), torch.float32, [3, 4]),
         ("no data.pkl", _without_pickle(_saved(_T)), torch.float32, [3, 4]),
+        ("a foreign persistent id", _foreign_persistent_id(_saved(_T)), torch.float32, [3, 4]),
         ("not a zip", b"\x00" * 300, torch.float32, [3, 4]),
         ("a legacy pickle", b"\x80\x02}q\x00." + b"\x00" * 30, torch.float32, [3, 4]),
     ],
