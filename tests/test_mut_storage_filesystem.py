@@ -61,3 +61,32 @@ def test_a_read_of_a_chunk_the_metadata_does_not_describe_is_refused(tmp_path: P
 class _NoPlanner:
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"the planner must not be asked for {name}")
+
+
+@pytest.mark.spec("STORE-12")
+@pytest.mark.parametrize("dest", ["same", "cast", "non-contiguous"])
+def test_every_tensor_read_is_committed_to_the_planner_once(tmp_path: Path, dest: str) -> None:
+    from refdcp.planning import DefaultLoadPlanner
+
+    committed: list[str] = []
+
+    class Recording(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+            committed.append(read_item.dest_index.fqn)
+            super().commit_tensor(read_item, tensor)
+
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.float64)}
+    refdcp.save(sd, checkpoint_id=tmp_path)
+    out: dict[str, Any] = {
+        "same": {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.float64)},
+        "cast": {"a": torch.zeros(2, 3, dtype=torch.float64), "b": torch.zeros(4)},
+        "non-contiguous": {
+            "a": torch.zeros(3, 2).t(),
+            "b": torch.zeros(8, dtype=torch.float64)[::2],
+        },
+    }[dest]
+    refdcp.load(out, checkpoint_id=tmp_path, planner=Recording(allow_cast=dest == "cast"))
+    assert sorted(committed) == ["a", "b"]
+    assert torch.equal(out["a"].double(), sd["a"].double()) and torch.equal(
+        out["b"].double(), sd["b"]
+    )
