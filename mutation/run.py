@@ -589,6 +589,11 @@ def main() -> int:
     run_jobs([(baseline_job(union, files), 3600.0)], 1, keep_base)
     if base.get("status") != "ok":
         raise SystemExit(f"mutation: baseline run failed: {base}")
+    if base.get("rc") not in (0, 1):  # 2-5: interrupted, internal/usage error, none collected
+        raise SystemExit(
+            f"mutation: the baseline pytest run exited {base.get('rc')} (a test id it could not "
+            "select?); refusing to judge mutants by a run that did not run the tests"
+        )
     failing = set(base["failed"])
     if failing:
         print(
