@@ -15,8 +15,10 @@ from itertools import chain, compress, repeat
 from operator import attrgetter, ne, not_
 from typing import Any
 
+import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from .dense_ids import DenseIds, dense_ids
 from .local_plan import ItemKey, _signature, chunk_nbytes, plan_digest
 
 __all__ = ["DedupResult", "dedup_items"]
@@ -70,13 +72,17 @@ def dedup_items(
         classes.setdefault(d, []).append(r)
     reps = [members[0] for members in classes.values()]
     members_of = list(classes.values())
+    # 2. keys held by several classes: none at all (sharded plans) is found with numpy
+    # over integer ids; else counted in C (Counter over all keys)
+    distinct = _keys_distinct([plans[rep] for rep in reps])
     keys_of: list[list[ItemKey]] = [
-        list(zip(map(_fqn, plans[rep]), map(_offset, plans[rep]))) for rep in reps
+        list(zip(map(_fqn, plans[rep]), map(_offset, plans[rep])))
+        if not distinct or len(members) > 1
+        else []  # a lone rank's keys are not needed when no key is shared
+        for rep, members in zip(reps, members_of)
     ]
-    # 2. keys held by several classes, found in C (Counter over all keys)
-    counts = Counter(chain.from_iterable(keys_of))
-    total = sum(map(len, keys_of))
-    shared = set() if len(counts) == total else {k for k, n in counts.items() if n > 1}
+    counts = Counter() if distinct else Counter(chain.from_iterable(keys_of))
+    shared = set() if distinct else {k for k, n in counts.items() if n > 1}
     # per class, which of its keys other classes hold too: computed once, used by steps 3-4
     masks = [list(map(shared.__contains__, keys)) for keys in keys_of] if shared else []
     owner: dict[ItemKey, int] = {}
@@ -113,7 +119,7 @@ def dedup_items(
     suspects = _suspects(keys_of, [plans[r] for r in reps], [sums[r] for r in reps], masks)
     every_rank = sorted(r for members in members_of for r in members)
     for k, item in rep_item.items():
-        n = counts[k]
+        n = 1 if distinct else counts[k]
         if n == 1:
             ranks = members_of[first_class[k]]
         else:
@@ -177,6 +183,18 @@ def dedup_items(
             if r in mine:
                 out[r].append(item)
     return DedupResult(plans=out, problems=problems, class_reps=reps)
+
+
+def _keys_distinct(plans: Sequence[Sequence[WriteItem]]) -> bool:
+    """Is every (fqn, offset) key of these plans held once? Numpy over dense ids (DEDUP-8)."""
+    n = sum(map(len, plans))
+    if n < 2:
+        return True
+    fqns, offsets = DenseIds(), DenseIds()
+    f = dense_ids(fqns, chain.from_iterable(map(_fqn, p) for p in plans), n)
+    o = dense_ids(offsets, chain.from_iterable(map(_offset, p) for p in plans), n)
+    keys = np.sort(o.astype(np.int64) * len(fqns) + f, kind="stable")
+    return not bool((keys[1:] == keys[:-1]).any())
 
 
 _sig_tensor = attrgetter(
