@@ -7,12 +7,12 @@ numpy over int arrays instead of Python over objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DenseIds", "dense_ids"]
+__all__ = ["DenseIds", "dense_ids", "dense_ids_of_names"]
 
 
 class DenseIds(dict[Any, int]):
@@ -31,3 +31,15 @@ class DenseIds(dict[Any, int]):
 def dense_ids(ids: DenseIds, values: Iterable[Any], n: int) -> np.ndarray[Any, np.dtype[np.intp]]:
     """The ids of ``n`` values, as an array, adding new values to ``ids``."""
     return np.fromiter(map(ids.__getitem__, values), dtype=np.intp, count=n)
+
+
+def dense_ids_of_names(
+    values: Sequence[Any],
+) -> tuple[dict[Any, int], np.ndarray[Any, np.dtype[np.intp]]]:
+    """Ids of values that may be mostly distinct (FQNs): C passes only, no Python call per value.
+
+    Returns the id of each distinct value (in order of first appearance) and
+    the ids of ``values``.
+    """
+    ids = dict(zip(dict.fromkeys(values), range(len(values))))
+    return ids, np.fromiter(map(ids.__getitem__, values), dtype=np.intp, count=len(values))

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from refdcp.errors import ProblemsError
 
-from .dense_ids import DenseIds, dense_ids
+from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
 
 __all__ = ["PlanValidationError", "build_state_dict_metadata", "find_overlaps"]
 
@@ -137,8 +137,7 @@ class _Items:
     def __init__(self, fqns: list[str], tds: list[Any]) -> None:
         n = len(tds)
         self.n = n
-        self.index = DenseIds()
-        fid = dense_ids(self.index, fqns, n)
+        self.index, fid = dense_ids_of_names(fqns)
         self.fqns: list[str] = list(self.index)
         nf = len(self.fqns)
         self.counts = np.bincount(fid, minlength=nf)
