@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from refdcp.errors import ProblemsError
 
-from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
+from .dense_ids import DenseIds, IdArray, dense_ids, dense_ids_of_names
 
 __all__ = ["PlanValidationError", "build_state_dict_metadata", "find_overlaps"]
 
@@ -64,6 +64,7 @@ def build_state_dict_metadata(
         all_fqns.extend(fqns)
         all_tds.extend(tds)
     grouped = _Items(all_fqns, all_tds)
+    del all_fqns, all_tds
     problems: list[str] = []
     md: dict[str, STORAGE_TYPES] = {}
     for fqn, ranks in kinds.items():
@@ -142,7 +143,7 @@ class _Items:
         nf = len(self.fqns)
         self.counts = np.bincount(fid, minlength=nf)
         self.starts = np.cumsum(self.counts) - self.counts
-        self.owner = np.repeat(np.arange(nf), self.counts)
+        self.owner = np.repeat(np.arange(nf, dtype=np.int32), self.counts)
         self.order: np.ndarray[Any, np.dtype[np.intp]] | None = None  # None: already grouped
         if n and not bool((fid[1:] >= fid[:-1]).all()):
             self.order = np.argsort(fid, kind="stable")
@@ -185,7 +186,7 @@ class _Items:
                     c.offsets = seen.setdefault(c.offsets, c.offsets)
                     c.sizes = seen.setdefault(c.sizes, c.sizes)
 
-    def _grouped(self, a: np.ndarray[Any, np.dtype[np.intp]]) -> np.ndarray[Any, np.dtype[np.intp]]:
+    def _grouped(self, a: IdArray) -> IdArray:
         return a if self.order is None else a[self.order]
 
     def _positions(self, grouped: np.ndarray[Any, np.dtype[np.intp]]) -> np.ndarray[Any, Any]:
