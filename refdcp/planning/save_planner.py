@@ -269,6 +269,10 @@ class DefaultSavePlanner(SavePlanner):
         if not mine:
             return
         (me,) = mine
+        if len(all_plans) == 1:  # nobody else holds anything: nothing to digest
+            self._coordinator_shared = []
+            extras[me] = {**extras[me], "checksums": {}}
+            return
         my_keys = set(map(item_key, all_plans[me].items))
         my_offsets = {off for _, off in my_keys}
         others: set[Any] = set()  # my keys other ranks hold
