@@ -89,8 +89,9 @@ def _run_child(impl: str, items: int, elems: int, tree: str) -> dict[str, float]
         "import json, sys; from benchmarks.bench_phases import _child_main; "
         f"print(json.dumps(_child_main({impl!r}, {items}, {elems})))"
     )
+    # cwd=tree: `python -c` puts the working directory first on sys.path, before PYTHONPATH
     res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE, check=False
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tree, check=False
     )
     if res.returncode != 0:
         raise RuntimeError(f"{impl} child failed:\n{res.stderr[-3000:]}")
