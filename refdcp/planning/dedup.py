@@ -15,8 +15,10 @@ from itertools import chain, compress, repeat
 from operator import attrgetter, ne, not_
 from typing import Any
 
+import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
 from .local_plan import ItemKey, _signature, chunk_nbytes, plan_digest
 
 __all__ = ["DedupResult", "dedup_items"]
@@ -70,19 +72,26 @@ def dedup_items(
         classes.setdefault(d, []).append(r)
     reps = [members[0] for members in classes.values()]
     members_of = list(classes.values())
+    # 2. keys held by several classes: none at all (sharded plans) is found with numpy
+    # over integer ids; else counted in C (Counter over all keys)
+    distinct = _keys_distinct([plans[rep] for rep in reps])
     keys_of: list[list[ItemKey]] = [
-        list(zip(map(_fqn, plans[rep]), map(_offset, plans[rep]))) for rep in reps
+        list(zip(map(_fqn, plans[rep]), map(_offset, plans[rep])))
+        if not distinct or len(members) > 1
+        else []  # a lone rank's keys are not needed when no key is shared
+        for rep, members in zip(reps, members_of)
     ]
-    # 2. keys held by several classes, found in C (Counter over all keys)
-    counts = Counter(chain.from_iterable(keys_of))
-    total = sum(map(len, keys_of))
-    shared = set() if len(counts) == total else {k for k, n in counts.items() if n > 1}
+    counts = Counter() if distinct else Counter(chain.from_iterable(keys_of))
+    shared = set() if distinct else {k for k, n in counts.items() if n > 1}
     # per class, which of its keys other classes hold too: computed once, used by steps 3-4
     masks = [list(map(shared.__contains__, keys)) for keys in keys_of] if shared else []
+    # and those keys with their items (other classes' replicas are compared with them)
+    shared_keys = [list(compress(keys, m)) for keys, m in zip(keys_of, masks)]
+    shared_items = [list(compress(plans[rep], m)) for rep, m in zip(reps, masks)]
     owner: dict[ItemKey, int] = {}
     for c, keys in enumerate(keys_of):
-        if len(members_of[c]) == 1 and shared:
-            owner.update(zip(keys, repeat(members_of[c][0])))
+        if len(members_of[c]) == 1 and shared:  # a lone rank writes the keys only it holds
+            owner.update(zip(compress(keys, map(not_, masks[c])), repeat(members_of[c][0])))
     # 3. replicated keys: held by a class of several ranks, or by several classes
     # first holder of each replicated key and its item, recorded in C (dict.setdefault)
     first_class: dict[ItemKey, int] = {}
@@ -94,7 +103,7 @@ def dedup_items(
             sel_keys: Iterable[ItemKey] = keys
             sel_items: Iterable[WriteItem] = items
         elif shared:
-            sel_keys, sel_items = list(compress(keys, masks[c])), list(compress(items, masks[c]))
+            sel_keys, sel_items = shared_keys[c], shared_items[c]
         else:
             continue
         deque(map(first_class.setdefault, sel_keys, repeat(c)), maxlen=0)
@@ -110,10 +119,10 @@ def dedup_items(
     problems: list[str] = []
     item_of: dict[int, dict[ItemKey, WriteItem]] = {}
     replicated: list[tuple[int, ItemKey, list[int], WriteItem]] = []
-    suspects = _suspects(keys_of, [plans[r] for r in reps], [sums[r] for r in reps], masks)
+    suspects = _suspects(shared_keys, shared_items, [sums[r] for r in reps])
     every_rank = sorted(r for members in members_of for r in members)
     for k, item in rep_item.items():
-        n = counts[k]
+        n = 1 if distinct else counts[k]
         if n == 1:
             ranks = members_of[first_class[k]]
         else:
@@ -179,6 +188,21 @@ def dedup_items(
     return DedupResult(plans=out, problems=problems, class_reps=reps)
 
 
+def _keys_distinct(plans: Sequence[Sequence[WriteItem]]) -> bool:
+    """Is every (fqn, offset) key of these plans held once? Numpy over dense ids (DEDUP-8)."""
+    n = sum(map(len, plans))
+    if n < 2:
+        return True
+    firsts = [(p[0].index.fqn, p[0].index.offset) for p in plans if p]
+    if len(set(firsts)) < len(firsts):  # replicated plans usually share their first key
+        return False
+    fqns, f = dense_ids_of_names(list(chain.from_iterable(map(_fqn, p) for p in plans)))
+    offsets = DenseIds()
+    o = dense_ids(offsets, chain.from_iterable(map(_offset, p) for p in plans), n)
+    keys = np.sort(o.astype(np.int64) * len(fqns) + f, kind="stable")
+    return not bool((keys[1:] == keys[:-1]).any())
+
+
 _sig_tensor = attrgetter(
     "type", "tensor_data.chunk.sizes", "tensor_data.properties.dtype", "tensor_data.size"
 )
@@ -192,10 +216,9 @@ def _fast_signature(item: WriteItem) -> tuple[Any, ...]:
 
 
 def _suspects(
-    keys_of: Sequence[Sequence[ItemKey]],
-    items_of: Sequence[Sequence[WriteItem]],
+    keys_of: Sequence[list[ItemKey]],
+    items_of: Sequence[list[WriteItem]],
     sums_of: Sequence[Mapping[Any, int] | None],
-    masks: Sequence[list[bool]],
 ) -> set[ItemKey]:
     """Keys whose replicas may disagree in kind, dtype, shape or checksum: a C-level screen.
 
@@ -203,14 +226,12 @@ def _suspects(
     holding the key, through ``dict.setdefault`` and ``operator.ne`` mapped over
     whole plans, so agreeing replicas cost no Python-level work per item (DEDUP-8).
     """
-    if len(keys_of) < 2 or not masks:  # no key is held by two classes: nothing to compare
+    if len(keys_of) < 2:  # no key is held by two classes: nothing to compare
         return set()
     first_sig: dict[ItemKey, Any] = {}
     first_sum: dict[ItemKey, int] = {}
     out: set[ItemKey] = set()
-    for keys, items, sums, mask in zip(keys_of, items_of, sums_of, masks):
-        keys = list(compress(keys, mask))
-        items = list(compress(items, mask))
+    for keys, items, sums in zip(keys_of, items_of, sums_of):
         if all(map(_td, items)):  # all tensors: the signature is one C-level attrgetter
             sigs = list(map(_sig_tensor, items))
         else:

@@ -9,6 +9,7 @@ import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -288,14 +289,22 @@ class DefaultSavePlanner(SavePlanner):
         if not mine:
             return
         (me,) = mine
-        others: set[Any] = set()
+        if len(all_plans) == 1:  # nobody else holds anything: nothing to digest
+            self._coordinator_shared = []
+            extras[me] = {**extras[me], "checksums": {}}
+            return
+        my_keys = set(map(item_key, all_plans[me].items))
+        my_offsets = {off for _, off in my_keys}
+        others: set[Any] = set()  # my keys other ranks hold
         seen: set[Any] = set()
         for r, (p, e) in enumerate(zip(all_plans, extras)):
             d = e.get("digest")
             if r == me or (d is not None and d in seen):
                 continue
             seen.add(d)
-            others.update(map(item_key, p.items))
+            if not my_offsets.isdisjoint(map(_offset, p.items)):  # C-level first screen
+                keys = zip(map(_fqn, p.items), map(_offset, p.items))
+                others.update(filter(my_keys.__contains__, keys))
         shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
         self._coordinator_shared = shared
         extras[me] = {**extras[me], "checksums": replica_checksums(self.flat.items, shared)}
@@ -346,6 +355,10 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+_fqn = attrgetter("index.fqn")
+_offset = attrgetter("index.offset")
 
 
 def _extras(plan: SavePlan) -> dict[str, Any]:
