@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,46 @@ def test_nested_pauses_reenable_once() -> None:
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.mark.spec("API-20")
+def test_what_survives_a_save_skips_the_young_generations(tmp_path: Path) -> None:
+    """The returned Metadata is not left for young passes: the youngest generation's count is
+    back near zero, its objects are still tracked, and cycles made during the call are still
+    collected by a full pass."""
+    sd = {f"w{i}": torch.zeros(4) for i in range(500)}
+    gc.collect()
+    before = len(gc.get_objects(generation=2))
+    md = refdcp.save(sd, checkpoint_id=tmp_path, no_dist=True)
+    assert gc.isenabled()
+    assert gc.get_count()[0] < 100, gc.get_count()
+    assert gc.is_tracked(md.storage_data)
+    # the metadata's objects went straight to the oldest generation
+    assert len(gc.get_objects(generation=2)) > before + 500
+    with gc_paused():
+        probe = _Cycle()
+        wr = weakref.ref(probe)
+        del probe
+    assert wr() is not None  # a cycle: only the collector frees it
+    gc.collect()
+    assert wr() is None
+
+
+@pytest.mark.spec("API-20")
+def test_objects_the_caller_froze_stay_frozen(tmp_path: Path) -> None:
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        refdcp.save({"w": torch.zeros(4)}, checkpoint_id=tmp_path, no_dist=True)
+        with gc_paused():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

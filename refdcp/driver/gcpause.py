@@ -11,6 +11,18 @@ Only a call made on the main thread pauses it: a background save
 loop that keeps running meanwhile. Nested and concurrent pauses are counted,
 so the collector is re-enabled once, by the last call to finish, and only if
 it was enabled when the first one began.
+
+What the call leaves alive (the returned ``Metadata``: about nine tracked
+objects per item) would otherwise sit in the youngest generation when the
+collector resumes: its next young passes would traverse all of it, and the
+survivors pushed into the oldest generation would count toward the next full
+pass, which then lands in a later save or load (measured: a 0.16 s full pass
+inside a 20,000-item load after a save). So before re-enabling it, objects
+that survived the call are moved straight to the oldest generation with
+``gc.freeze(); gc.unfreeze()`` (two list splices, no traversal; they are
+still collected by full passes). Skipped when the process has frozen
+objects of its own (``gc.get_freeze_count() > 0``), which unfreezing would
+release.
 """
 
 from __future__ import annotations
@@ -45,4 +57,7 @@ def gc_paused() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0 and _was_enabled:
+                if gc.get_freeze_count() == 0:
+                    gc.freeze()  # survivors to the oldest generation, untraversed (API-20)
+                    gc.unfreeze()
                 gc.enable()
