@@ -44,6 +44,12 @@ import tomllib
 
 from mutation.operators import MODULE_STMTS, Mutant, apply_mutant, enumerate_mutants
 
+# Tests run in children forked from this process, which has imported torch. A torch op that
+# used OpenMP threads here (a large tensor built at a test module's import, during collection)
+# leaves libgomp's thread team behind, and the first parallel op in a forked child then waits
+# on threads it does not have, forever. One intra-op thread keeps the forks safe.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "mutation" / "config.toml"
 EQUIVALENT = ROOT / "mutation" / "equivalent.toml"
@@ -545,7 +551,11 @@ def main() -> int:
     t_start = time.monotonic()
     commit_at_start = _commit()  # the code measured, even if HEAD moves during the run
 
+    import torch
+
     from refdcp.tools.spec_report import load_spec
+
+    torch.set_num_threads(1)  # see OMP_NUM_THREADS above: forked children must not need OpenMP
 
     known = set(load_spec(ROOT / "spec")[0])
     modules, exclude = load_config()
