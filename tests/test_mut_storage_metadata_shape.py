@@ -899,3 +899,19 @@ def test_random_chunks_inside_the_tensor_pass_and_one_moved_outside_is_named(
     with pytest.raises(MalformedMetadataError) as err:
         _check(md)
     assert err.value.field.startswith(f"state_dict_metadata['t'].chunks[{i}]")
+
+
+@pytest.mark.spec("FMT-9")
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_a_long_string_inside_a_planner_data_tuple_is_refused_wherever_it_sits(where: str) -> None:
+    """The quick pass over planner_data's ``{str: (str | int, ...)}`` entries must hand a tuple
+    with an over-long string to the detailed check, and must go on to the entries after a
+    well-formed one."""
+    cap = LIMITS.max_string_chars
+    md = valid_md()
+    bad = ("ok", "x" * (cap + 1))
+    md.planner_data = (
+        {"a": bad, "b": ("fine", 1)} if where == "first" else {"a": ("fine", 1), "b": bad}
+    )
+    with pytest.raises(MalformedMetadataError):
+        _check(md)

@@ -237,3 +237,12 @@ def test_storage_meta_names_the_path_and_this_saves_id(tmp_path: Path) -> None:
     w.set_up_storage_writer(True)
     again = w.storage_meta()
     assert again is not None and again.save_id == w.save_id != meta.save_id
+
+
+@pytest.mark.spec("STORE-8", "STORE-2")
+def test_more_object_items_in_one_file_than_writev_takes_at_once(tmp_path: Path) -> None:
+    """Objects (BYTE_IO items) go through the general write path: its parts are flushed before
+    the iovec count exceeds what one writev takes."""
+    sd: dict[str, Any] = {f"o{i}": i for i in range(2500)}
+    back = _round_trip(tmp_path, sd, thread_count=1, single_file_per_rank=True)
+    assert [back[k] for k in sd] == list(range(2500))
