@@ -5,7 +5,6 @@ Pure functions over a flattened state dict; no storage, no process group.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import pickle
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from refdcp.storage.items import raw_view
+from refdcp.storage.records import fields_are
 
 __all__ = [
     "ItemKey",
@@ -108,23 +108,13 @@ _ZERO_OFFSETS: dict[int, torch.Size] = {}
 _PROPERTIES: dict[tuple[Any, ...], TensorProperties] = {}
 
 
-def _fields_are(cls: type, names: tuple[str, ...]) -> bool:
-    """True when ``cls`` is still the plain dataclass with these fields that the fast path builds."""
-    return (
-        dataclasses.is_dataclass(cls)
-        and tuple(f.name for f in dataclasses.fields(cls)) == names
-        and not hasattr(cls, "__post_init__")
-        and "__slots__" not in vars(cls)
-    )
-
-
 #: the fast path builds torch's records by setting their fields (frozen dataclasses refuse
 #: ``setattr``); it is used only while the installed torch's classes are the ones it knows
 _FAST_RECORDS = (
-    _fields_are(MetadataIndex, ("fqn", "offset", "index"))
-    and _fields_are(ChunkStorageMetadata, ("offsets", "sizes"))
-    and _fields_are(TensorWriteData, ("chunk", "properties", "size"))
-    and _fields_are(WriteItem, ("index", "type", "bytes_io_data", "tensor_data"))
+    fields_are(MetadataIndex, ("fqn", "offset", "index"))
+    and fields_are(ChunkStorageMetadata, ("offsets", "sizes"))
+    and fields_are(TensorWriteData, ("chunk", "properties", "size"))
+    and fields_are(WriteItem, ("index", "type", "bytes_io_data", "tensor_data"))
 )
 
 

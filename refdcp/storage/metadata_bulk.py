@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-__all__ = ["entries_ok", "records_ok"]
+__all__ = ["entries_ok", "properties_fields_ok", "records_ok"]
 
 #: Names ``check_data_name`` certainly accepts (anything else goes to the per-item check).
 PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_.-]{1,200}\Z")
@@ -79,19 +79,21 @@ def _sizes_ok(sizes: list[Any]) -> bool:
     return min(chain.from_iterable(sizes), default=0) >= 0
 
 
+def properties_fields_ok(p: Mapping[str, Any]) -> bool:
+    """A ``TensorProperties``' fields (its ``__dict__``) have the types torch writes (FMT-9)."""
+    return (
+        type(p.get("dtype")) is torch.dtype
+        and type(p.get("layout")) is torch.layout
+        and type(p.get("requires_grad")) is bool
+        and type(p.get("memory_format")) is torch.memory_format
+        and type(p.get("pin_memory")) is bool
+    )
+
+
 def _props_ok(props: list[Any]) -> bool:
     if not _only(props, TensorProperties):
         return False
-    for p in map(vars, _unique(props)):
-        if not (
-            type(p.get("dtype")) is torch.dtype
-            and type(p.get("layout")) is torch.layout
-            and type(p.get("requires_grad")) is bool
-            and type(p.get("memory_format")) is torch.memory_format
-            and type(p.get("pin_memory")) is bool
-        ):
-            return False
-    return True
+    return all(map(properties_fields_ok, map(vars, _unique(props))))
 
 
 def _boxes_ok(offsets: list[Any], sizes: list[Any], fulls: list[Any]) -> bool:

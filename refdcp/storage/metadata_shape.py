@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from refdcp.storage.errors import MalformedMetadataError
-from refdcp.storage.metadata_bulk import entries_ok, records_ok
+from refdcp.storage.metadata_bulk import entries_ok, properties_fields_ok, records_ok
 from refdcp.storage.metadata_limits import MetadataLimits
 from refdcp.storage.paths import check_data_name
 from refdcp.storage.safe_metadata import settle
@@ -211,14 +211,7 @@ class _Checker:
             return False
         if type(chunks) is not list or (size and min(size) < 0):
             return False
-        p = props.__dict__
-        if not (
-            type(p.get("dtype")) is torch.dtype
-            and type(p.get("layout")) is torch.layout
-            and type(p.get("requires_grad")) is bool
-            and type(p.get("memory_format")) is torch.memory_format
-            and type(p.get("pin_memory")) is bool
-        ):
+        if not properties_fields_ok(props.__dict__):
             return False
         ndim = len(size)
         for chunk in chunks:

@@ -21,13 +21,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from refdcp.storage.items import CRC_ATTR, DATA_OFFSET_ATTR
 
-__all__ = ["storage_info", "write_result"]
+__all__ = ["fields_are", "storage_info", "write_result"]
 
 _new = object.__new__
 _set = object.__setattr__
 
 
-def _fields_are(cls: type, names: tuple[str, ...]) -> bool:
+def fields_are(cls: type, names: tuple[str, ...]) -> bool:
+    """True when ``cls`` is still the plain dataclass with these fields that a fast builder
+    fills by setting ``__dict__`` (no ``__post_init__``, no slots)."""
     return (
         dataclasses.is_dataclass(cls)
         and tuple(f.name for f in dataclasses.fields(cls)) == names
@@ -37,9 +39,9 @@ def _fields_are(cls: type, names: tuple[str, ...]) -> bool:
 
 
 FAST = (
-    _fields_are(_StorageInfo, ("relative_path", "offset", "length", "transform_descriptors"))
+    fields_are(_StorageInfo, ("relative_path", "offset", "length", "transform_descriptors"))
     and getattr(_StorageInfo, "transform_descriptors", 0) is None
-    and _fields_are(WriteResult, ("index", "size_in_bytes", "storage_data"))
+    and fields_are(WriteResult, ("index", "size_in_bytes", "storage_data"))
 )
 
 
