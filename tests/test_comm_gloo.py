@@ -263,3 +263,55 @@ def test_torchdist_comm_needs_an_initialised_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="initialised"):
         TorchDistComm()
+
+
+def _records_call(rank: int, world_size: int, directory: str) -> int:
+    import pathlib
+
+    path = pathlib.Path(directory) / f"rank{rank}.log"
+    with path.open("a") as f:
+        f.write("called\n")
+    return rank
+
+
+@pytest.mark.spec("COMM-25")
+def test_a_failed_connect_before_the_gate_is_retried_and_fn_runs_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 fails its first two connects with Gloo's transient error; the
+    # third start succeeds and every rank ran fn exactly once.
+    monkeypatch.setenv("REFDCP_SPAWN_INJECT_CONNECT_FAILURES", "2")
+    assert run_gloo(3, _records_call, str(tmp_path), timeout=90.0) == [0, 1, 2]
+    for rank in range(3):
+        assert (tmp_path / f"rank{rank}.log").read_text() == "called\n"
+
+
+@pytest.mark.spec("COMM-25")
+def test_connect_failures_past_the_retry_budget_are_raised_and_fn_never_runs(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFDCP_SPAWN_INJECT_CONNECT_FAILURES", "3")
+    with pytest.raises(SpawnError) as info:
+        run_gloo(2, _records_call, str(tmp_path), timeout=60.0)
+    assert "connectFullMesh failed" in info.value.failures[0]
+    assert "(attempt 2)" in info.value.failures[0]
+    assert info.value.before_fn_only
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.spec("COMM-25")
+def test_a_failure_inside_fn_is_never_retried(tmp_path: Any) -> None:
+    with pytest.raises(SpawnError) as info:
+        run_gloo(2, _fails_after_recording, str(tmp_path), timeout=60.0)
+    assert not info.value.before_fn_only
+    assert "Connection closed by peer" in info.value.failures[1]
+    # fn ran once on each rank: a connect-like error from fn is not retried.
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.log").read_text() == "called\n"
+
+
+def _fails_after_recording(rank: int, world_size: int, directory: str) -> int:
+    _records_call(rank, world_size, directory)
+    if rank == 1:
+        raise RuntimeError("Connection closed by peer (raised by fn itself)")
+    return rank

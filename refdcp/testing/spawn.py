@@ -10,12 +10,19 @@ parent never waits longer than ``timeout`` (plus a short kill grace).
 The rendezvous store is a ``TCPStore`` server owned by the parent and bound to
 an OS-chosen port on 127.0.0.1, so there is no free-port race between picking
 a port and binding it (COMM-21).
+
+Gloo's full-mesh connect on a loaded loopback occasionally fails with
+"Connection closed by peer". No rank calls ``fn`` before every rank has joined
+the group (a gate in the store), so a group whose only failures are such
+connect errors before that gate is started again, on a fresh store, at most
+``_RENDEZVOUS_RETRIES`` times within the same timeout (COMM-25).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
 import sys
 import time
 import traceback
@@ -29,6 +36,18 @@ _LOOPBACK = "127.0.0.1"
 # so the error shows every rank that failed, not only the fastest.
 _FAILURE_GRACE_S = 1.0
 _KILL_GRACE_S = 5.0
+_RENDEZVOUS_RETRIES = 2
+# Store keys of the gate every rank passes before calling fn (COMM-25).
+_JOINED_KEY = "refdcp_spawn/joined"
+_GO_KEY = "refdcp_spawn/go"
+# Transport errors of a group's connect step that say nothing about fn or the
+# code under test; only these are retried (COMM-25).
+_TRANSIENT_CONNECT = re.compile(
+    r"connectFullMesh failed|Connection closed by peer|Connection reset by peer"
+    r"|Connection refused"
+)
+# Test hook: "<attempts>" makes rank 0 fail its first <attempts> connects.
+_INJECT_ENV = "REFDCP_SPAWN_INJECT_CONNECT_FAILURES"
 
 
 class SpawnError(RuntimeError):
@@ -50,6 +69,9 @@ class SpawnError(RuntimeError):
         self.failures = dict(sorted(failures.items()))
         self.results = dict(sorted((results or {}).items()))
         self.timed_out = timed_out
+        # True when every failure is a transient connect error raised before
+        # the gate, so that no rank can have called fn (COMM-25).
+        self.before_fn_only = False
         parts = [message]
         for rank, text in self.failures.items():
             parts.append(f"--- rank {rank} ---\n{text.rstrip()}")
@@ -79,8 +101,14 @@ def _child(
     context: tuple[list[str], dict[str, str], str],
     payload: bytes,
     results: Any,
+    attempt: int = 0,
 ) -> None:
-    """Entry point of one spawned rank; always reports exactly one message."""
+    """Entry point of one spawned rank; always reports exactly one message.
+
+    A message is ``(rank, ok, data, gated)``: ``gated`` is false for a failure
+    raised before this rank joined the gate, so before any rank called ``fn``.
+    """
+    gated = False
     # A fork server keeps the sys.path, environment and working directory of
     # its own start; give the child the caller's as they are now.
     sys_path, environ, cwd = context
@@ -92,6 +120,7 @@ def _child(
     for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", world_size)):
         os.environ[name] = str(value)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    inject = int(os.environ.get(_INJECT_ENV, "0") or "0")
     try:
         os.chdir(cwd)
         import datetime
@@ -110,6 +139,11 @@ def _child(
         )
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        if rank == 0 and attempt < inject:
+            raise RuntimeError(
+                "Gloo connectFullMesh failed with [injected by "
+                f"{_INJECT_ENV}] Connection closed by peer (attempt {attempt})"
+            )
         dist.init_process_group(
             backend,
             store=store,
@@ -117,6 +151,11 @@ def _child(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # The gate: fn runs only once every rank is in the group (COMM-25).
+        gated = True
+        if store.add(_JOINED_KEY, 1) == world_size:
+            store.set(_GO_KEY, "1")
+        store.wait([_GO_KEY])
         try:
             value = fn(rank, world_size, *args)
             data = pickle.dumps(value)
@@ -124,9 +163,9 @@ def _child(
             dist.destroy_process_group()
     except BaseException as exc:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        results.put((rank, False, text.encode()))
+        results.put((rank, False, text.encode(), gated))
         return
-    results.put((rank, True, data))
+    results.put((rank, True, data, True))
 
 
 def run_gloo(
@@ -153,7 +192,6 @@ def run_gloo(
     The fork server imports torch once per calling process, so later groups
     start in about 0.1 s instead of 2-3 s per rank for ``"spawn"`` (COMM-24).
     """
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     if world_size < 1:
@@ -165,19 +203,46 @@ def run_gloo(
     ctx: Any = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
-    results = ctx.SimpleQueue()
     deadline = time.monotonic() + timeout
+    attempt = 0
+    while True:
+        try:
+            return _run_once(ctx, world_size, backend, deadline, timeout, context, payload, attempt)
+        except SpawnError as err:
+            # A retry never reruns fn: no rank passed the gate (COMM-25).
+            if not err.before_fn_only or attempt >= _RENDEZVOUS_RETRIES:
+                raise
+            if deadline - time.monotonic() < 1.0:
+                raise
+            attempt += 1
+
+
+def _run_once(
+    ctx: Any,
+    world_size: int,
+    backend: str,
+    deadline: float,
+    timeout: float,
+    context: tuple[list[str], dict[str, str], str],
+    payload: bytes,
+    attempt: int,
+) -> list[Any]:
+    """One start of the group on a fresh store; raises SpawnError on failure."""
+    import torch.distributed as dist
+
+    results = ctx.SimpleQueue()
     # The parent owns the store server: the OS picks a free loopback port.
     store = dist.TCPStore(  # type: ignore[attr-defined]
         _LOOPBACK, 0, world_size=None, is_master=True, wait_for_workers=False
     )
     port = store.port
+    left = max(deadline - time.monotonic(), 0.001)
     procs = []
     try:
         for rank in range(world_size):
             proc = ctx.Process(
                 target=_child,
-                args=(rank, world_size, port, backend, timeout, context, payload, results),
+                args=(rank, world_size, port, backend, left, context, payload, results, attempt),
                 name=f"refdcp-rank{rank}",
                 daemon=True,
             )
@@ -198,6 +263,7 @@ def _collect(
     failures: dict[int, str] = {}
     reported: set[int] = set()
     failure_deadline: float | None = None
+    transient: set[int] = set()  # ranks whose failure came before the gate, connecting
     reader = _QueueReader(results)
     while len(reported) < world_size:
         now = time.monotonic()
@@ -229,23 +295,27 @@ def _collect(
                         failure_deadline = time.monotonic() + _FAILURE_GRACE_S
             if msg is None:
                 continue
-        rank, ok, data = msg
+        rank, ok, data, gated = msg
         reported.add(rank)
         if ok:
             values[rank] = pickle.loads(data)
         else:
             failures[rank] = data.decode()
+            if not gated and _TRANSIENT_CONNECT.search(failures[rank]):
+                transient.add(rank)
             if failure_deadline is None:
                 failure_deadline = time.monotonic() + _FAILURE_GRACE_S
     if failures:
         silent = sorted(set(range(world_size)) - reported)
         note = f"; rank(s) {silent} were terminated while still running" if silent else ""
-        raise SpawnError(
+        err = SpawnError(
             f"run_gloo: rank(s) {sorted(failures)} failed{note}",
             failures,
             timed_out=False,
             results=values,
         )
+        err.before_fn_only = transient == set(failures)
+        raise err
     return [values[rank] for rank in range(world_size)]
 
 
@@ -256,10 +326,10 @@ class _QueueReader:
         self._reader = q._reader
         self._q = q
 
-    def get(self, timeout: float) -> tuple[int, bool, bytes] | None:
+    def get(self, timeout: float) -> tuple[int, bool, bytes, bool] | None:
         if not self._reader.poll(timeout):
             return None
-        msg: tuple[int, bool, bytes] = self._q.get()
+        msg: tuple[int, bool, bytes, bool] = self._q.get()
         return msg
 
 
