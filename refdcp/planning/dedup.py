@@ -19,7 +19,7 @@ import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
-from .local_plan import ItemKey, _signature, chunk_nbytes, plan_digest
+from .local_plan import Blocks, ItemKey, _signature, chunk_nbytes, plan_digest
 
 __all__ = ["DedupResult", "dedup_items"]
 
@@ -50,6 +50,7 @@ def dedup_items(
     coordinator_rank: int = 0,
     bytes_on_coordinator: bool = True,
     lowest_rank: bool = False,
+    blocks: Sequence[Blocks | None] | None = None,
 ) -> DedupResult:
     """Keep each (fqn, chunk) on exactly one of the ranks that hold it (DEDUP-1..7).
 
@@ -58,7 +59,9 @@ def dedup_items(
     counted (DEDUP-2, DEDUP-3). With ``bytes_on_coordinator`` non-tensor items
     held by the coordinator stay there (DEDUP-7). Replicas that disagree in
     type, dtype or shape, or (when ``checksums`` are given) in value, are
-    problems (DEDUP-4, DEDUP-6).
+    problems (DEDUP-4, DEDUP-6). ``blocks`` (per rank, from
+    :func:`~refdcp.planning.local_plan.block_digests`) let plans that differ share
+    the work of their common blocks (DEDUP-14); they never change the result.
     """
     world = len(plans)
     sums: list[Mapping[Any, int] | None] = (
@@ -72,6 +75,21 @@ def dedup_items(
         classes.setdefault(d, []).append(r)
     reps = [members[0] for members in classes.values()]
     members_of = list(classes.values())
+    if blocks is not None and len(reps) > 1:  # plans that differ may still share blocks
+        from .dedup_blocks import dedup_by_blocks, units_of
+
+        units = units_of(plans, reps, [blocks[r] for r in reps], list(classes))
+        if units is not None:
+            return dedup_by_blocks(
+                plans,
+                units,
+                members_of,
+                reps,
+                sums,
+                coordinator_rank=coordinator_rank,
+                bytes_on_coordinator=bytes_on_coordinator,
+                lowest_rank=lowest_rank,
+            )
     # 2. keys held by several classes: none at all (sharded plans) is found with numpy
     # over integer ids; else counted in C (Counter over all keys)
     distinct = _keys_distinct([plans[rep] for rep in reps])
