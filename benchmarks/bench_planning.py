@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from refdcp.planning import DefaultSavePlanner
 from refdcp.planning.flatten import RESERVED_KEY
-from refdcp.planning.local_plan import block_digests, plan_digest
+from refdcp.planning.local_plan import plan_and_block_digests
 
 PROPS = TensorProperties(dtype=torch.float32)
 
@@ -106,7 +106,7 @@ def refdcp_local_plans(per_rank: list[list[WriteItem]]) -> list[SavePlan]:
     for items in per_rank:
         key = id(items)
         if key not in digests:  # identical lists: the same digests each rank would compute
-            digests[key] = (plan_digest(items), block_digests(items))
+            digests[key] = plan_and_block_digests(items)
         paths: dict[str, Any] = {i.index.fqn: (i.index.fqn,) for i in items}
         digest, blocks = digests[key]
         paths[RESERVED_KEY] = {

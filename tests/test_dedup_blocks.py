@@ -28,7 +28,13 @@ from refdcp.planning import DefaultSavePlanner, PlanValidationError
 from refdcp.planning.dedup import dedup_items
 from refdcp.planning.dedup_reference import reference_dedup
 from refdcp.planning.flatten import RESERVED_KEY
-from refdcp.planning.local_plan import block_digests, item_key, plan_digest, save_items
+from refdcp.planning.local_plan import (
+    block_digests,
+    item_key,
+    plan_and_block_digests,
+    plan_digest,
+    save_items,
+)
 
 DTYPES = [torch.float32, torch.int64]
 
@@ -207,6 +213,11 @@ def test_block_digests_follow_content_not_position() -> None:
     a, b = block_digests(plain, sums)[1], block_digests(plain, changed)[1]
     assert sum(x != y for x, y in zip(a, b)) == 1
     assert block_digests([]) == ([], [])
+    assert plan_and_block_digests(plain, sums) == (
+        plan_digest(plain, sums),
+        block_digests(plain, sums),
+    )
+    assert plan_and_block_digests([]) == (plan_digest([]), ([], []))
 
 
 @pytest.mark.spec("PLAN-15")

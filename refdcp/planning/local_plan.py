@@ -39,6 +39,7 @@ __all__ = [
     "may_be_replicated",
     "object_write_items",
     "plain_tensor_item",
+    "plan_and_block_digests",
     "plan_digest",
     "replica_checksums",
     "save_items",
@@ -294,6 +295,27 @@ def block_digests(
     ``checksums`` are given, each item's checksum (``None`` where it has none).
     ``ends`` digests another cut instead (tests: any cut gives the same dedup).
     """
+    return _blocks(items, list(map(_signature_repr, items)), checksums, ends)
+
+
+def plan_and_block_digests(
+    items: list[WriteItem], checksums: Mapping[Any, int] | None = None
+) -> tuple[str, Blocks]:
+    """:func:`plan_digest` and :func:`block_digests` of one plan, its signatures formatted once."""
+    reprs = list(map(_signature_repr, items))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(("[" + ", ".join(reprs) + "]").encode())
+    if checksums:
+        h.update(repr(sorted(checksums.items(), key=repr)).encode())
+    return h.hexdigest(), _blocks(items, reprs, checksums, None)
+
+
+def _blocks(
+    items: list[WriteItem],
+    reprs: list[str],
+    checksums: Mapping[Any, int] | None,
+    ends: list[int] | None,
+) -> Blocks:
     if not items:
         return [], []
     fqns = list(map(_fqn_of, items))
@@ -304,7 +326,6 @@ def block_digests(
         cuts = [i + 1 for i, c in enumerate(crcs) if not c % BLOCK_SPACING]
         if not cuts or cuts[-1] != len(items):
             cuts.append(len(items))
-    reprs = list(map(_signature_repr, items))
     keys = list(zip(fqns, map(_offset_of, items))) if checksums is not None else []
     digests: list[bytes] = []
     start = 0

@@ -27,10 +27,9 @@ from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_di
 from .global_metadata import PlanValidationError, build_state_dict_metadata
 from .loadable import refuse_unloadable
 from .local_plan import (
-    block_digests,
     chunkless_tensors,
     item_key,
-    plan_digest,
+    plan_and_block_digests,
     replica_checksums,
     resolve_tensor_chunk,
     save_items,
@@ -146,13 +145,16 @@ class DefaultSavePlanner(SavePlanner):
         if self.check_replicas and not deferred:
             sums = replica_checksums(self.flat.items, items)
         data: dict[str, Any] = dict(self.flat.paths)
+        # the coordinator's digests only matter beside other ranks' plans: they are computed
+        # in create_global_plan when there are any (DEDUP-8); the blocks let plans that differ
+        # share the work of their common items (PLAN-15)
+        digest, blocks = (
+            (None, None) if self.is_coordinator else plan_and_block_digests(items, sums)
+        )
         data[RESERVED_KEY] = {
             **encode_structure(self.flat),
-            # the coordinator's digest only matters beside other ranks' plans: it is computed
-            # in create_global_plan when there are any (DEDUP-8)
-            "digest": None if self.is_coordinator else plan_digest(items, sums),
-            # blocks other ranks' plans may share even where whole plans differ (PLAN-15)
-            "blocks": None if self.is_coordinator else block_digests(items, sums),
+            "digest": digest,
+            "blocks": blocks,
             "deferred_digest": self._token if self.is_coordinator else None,
             "checksums": sums,
             "chunkless": chunkless_tensors(self.flat.items, items),
@@ -280,8 +282,8 @@ class DefaultSavePlanner(SavePlanner):
             return
         for plan, e in zip(all_plans, extras):
             if e.get("deferred_digest") == self._token and e.get("digest") is None:
-                e["digest"] = plan_digest(plan.items, None)  # in place: the plan cache reads it
-                e["blocks"] = block_digests(plan.items, None)
+                # in place: the plan cache reads the digest
+                e["digest"], e["blocks"] = plan_and_block_digests(plan.items, None)
 
     def _fill_deferred_checksums(
         self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
