@@ -257,15 +257,15 @@ def _class_pattern(items: Sequence[WriteItem], m: int, lowest_rank: bool) -> _Pa
     """DEDUP-2's greedy over one class's items and ``m`` holders with no other load."""
     sizes = list(map(chunk_nbytes, items))
     order = sorted(range(len(items)), key=lambda i: -sizes[i])  # stable: listing order on ties
-    loads = [0] * m
-    load_of = loads.__getitem__
-    holders = range(m)
+    heap = [(0, j) for j in range(m)]  # (load, holder): the least loaded, ties the lowest rank
     mine: list[list[int]] = [[] for _ in range(m)]
     writer = [0] * len(items)
     for i in order:
-        j = 0 if lowest_rank else min(holders, key=load_of)  # ties: the lowest rank
+        if lowest_rank:
+            continue  # every item to the lowest rank (writer 0)
+        load, j = heap[0]
         writer[i] = j
-        loads[j] += sizes[i]
+        heapq.heapreplace(heap, (load + sizes[i], j))
     for i, j in enumerate(writer):
         mine[j].append(i)
     return [None if not ix else ix[0] if len(ix) == 1 else itemgetter(*ix) for ix in mine]
