@@ -3,7 +3,8 @@
 Three workloads (issue 3): 128 simulated ranks x 20,000 replicated items;
 32 ranks x 20,000 sharded items (one row-slice of each tensor per rank); and
 128 ranks x 2,000 replicated items plus one item of each rank's own, so no two
-ranks' plans are identical (refdcp's identical-plan fast path cannot apply).
+ranks' plans are identical (refdcp's identical-plan fast path cannot apply;
+its block digests, PLAN-15, let the shared items be deduplicated once).
 Runs alternate between the planners; the table shows the median of
 ``--repeats`` runs and refdcp/torch ratios. Targets: <= 0.15x, <= 0.25x and
 <= 0.33x (the last through block digests, PLAN-15 / DEDUP-14).
