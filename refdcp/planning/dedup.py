@@ -12,14 +12,14 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
-from operator import attrgetter, ne, not_
+from operator import attrgetter, itemgetter, ne, not_
 from typing import Any
 
 import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
-from .local_plan import ItemKey, _signature, chunk_nbytes, plan_digest
+from .local_plan import Blocks, ItemKey, _signature, chunk_nbytes, plan_digest
 
 __all__ = ["DedupResult", "dedup_items"]
 
@@ -50,6 +50,7 @@ def dedup_items(
     coordinator_rank: int = 0,
     bytes_on_coordinator: bool = True,
     lowest_rank: bool = False,
+    blocks: Sequence[Blocks | None] | None = None,
 ) -> DedupResult:
     """Keep each (fqn, chunk) on exactly one of the ranks that hold it (DEDUP-1..7).
 
@@ -58,7 +59,9 @@ def dedup_items(
     counted (DEDUP-2, DEDUP-3). With ``bytes_on_coordinator`` non-tensor items
     held by the coordinator stay there (DEDUP-7). Replicas that disagree in
     type, dtype or shape, or (when ``checksums`` are given) in value, are
-    problems (DEDUP-4, DEDUP-6).
+    problems (DEDUP-4, DEDUP-6). ``blocks`` (per rank, from
+    :func:`~refdcp.planning.local_plan.block_digests`) let plans that differ share
+    the work of their common blocks (DEDUP-14); they never change the result.
     """
     world = len(plans)
     sums: list[Mapping[Any, int] | None] = (
@@ -72,14 +75,33 @@ def dedup_items(
         classes.setdefault(d, []).append(r)
     reps = [members[0] for members in classes.values()]
     members_of = list(classes.values())
+    if blocks is not None and len(reps) > 1:  # plans that differ may still share blocks
+        from .dedup_blocks import dedup_by_blocks, units_of
+
+        units = units_of(plans, reps, [blocks[r] for r in reps], list(classes))
+        if units is not None:
+            return dedup_by_blocks(
+                plans,
+                units,
+                members_of,
+                reps,
+                sums,
+                coordinator_rank=coordinator_rank,
+                bytes_on_coordinator=bytes_on_coordinator,
+                lowest_rank=lowest_rank,
+            )
     # 2. keys held by several classes: none at all (sharded plans) is found with numpy
     # over integer ids; else counted in C (Counter over all keys)
     distinct = _keys_distinct([plans[rep] for rep in reps])
+    out: list[list[WriteItem]] = [[] for _ in range(world)]
+    # classes whose items no other class holds are independent greedies: solved per
+    # pattern of chunk sizes, once for all classes sharing it (DEDUP-12)
+    done = _split_independent_classes(plans, reps, members_of, out, lowest_rank) if distinct else []
     keys_of: list[list[ItemKey]] = [
         list(zip(map(_fqn, plans[rep]), map(_offset, plans[rep])))
-        if not distinct or len(members) > 1
+        if not distinct or (len(members) > 1 and not done[c])
         else []  # a lone rank's keys are not needed when no key is shared
-        for rep, members in zip(reps, members_of)
+        for c, (rep, members) in enumerate(zip(reps, members_of))
     ]
     counts = Counter() if distinct else Counter(chain.from_iterable(keys_of))
     shared = set() if distinct else {k for k, n in counts.items() if n > 1}
@@ -99,6 +121,8 @@ def dedup_items(
     ncls = len(keys_of)
     for c, keys in enumerate(keys_of):
         items = plans[reps[c]]
+        if done and done[c]:
+            continue
         if len(members_of[c]) > 1:
             sel_keys: Iterable[ItemKey] = keys
             sel_items: Iterable[WriteItem] = items
@@ -169,8 +193,9 @@ def dedup_items(
         loads[r] += nbytes
     # 5. per-rank plans: one pass per class, C-level filtering for single ranks
     owner_get = owner.__getitem__
-    out: list[list[WriteItem]] = [[] for _ in range(world)]
     for c, members in enumerate(members_of):
+        if done and done[c]:
+            continue
         items = plans[reps[c]]
         keys = keys_of[c]
         if len(members) == 1:
@@ -186,6 +211,64 @@ def dedup_items(
             if r in mine:
                 out[r].append(item)
     return DedupResult(plans=out, problems=problems, class_reps=reps)
+
+
+_nbytes_sig = attrgetter("tensor_data.chunk.sizes", "tensor_data.properties.dtype")
+#: a pattern: for each holder (by position among the class's ranks), an itemgetter of the
+#: positions of the items it writes (None: none; an int: exactly one)
+_Pattern = list[Any]
+
+
+def _split_independent_classes(
+    plans: Sequence[Sequence[WriteItem]],
+    reps: list[int],
+    members_of: list[list[int]],
+    out: list[list[WriteItem]],
+    lowest_rank: bool,
+) -> list[bool]:
+    """Dedup each class of several ranks whose tensor items no other class holds (DEDUP-12).
+
+    Called only when no key is held by two classes (HSDP: each shard's ranks form
+    one class). Such a class's greedy touches only its own ranks, whose loads start
+    at zero, so it is the global greedy restricted to the class; classes with the
+    same chunk sizes and dtypes in the same order (every shard of an HSDP mesh) get the
+    same assignment by position, computed once. Fills ``out`` for those classes and
+    returns which classes it handled.
+    """
+    done = [False] * len(reps)
+    patterns: dict[Any, _Pattern] = {}
+    for c, (rep, members) in enumerate(zip(reps, members_of)):
+        items = plans[rep]
+        if len(members) < 2 or not all(map(_td, items)):  # objects: the general path
+            continue
+        sig = (len(members), tuple(map(_nbytes_sig, items)))
+        pattern = patterns.get(sig)
+        if pattern is None:
+            pattern = patterns[sig] = _class_pattern(items, len(members), lowest_rank)
+        for r, get in zip(members, pattern):
+            if get is None:
+                continue
+            out[r] = [items[get]] if isinstance(get, int) else list(get(items))
+        done[c] = True
+    return done
+
+
+def _class_pattern(items: Sequence[WriteItem], m: int, lowest_rank: bool) -> _Pattern:
+    """DEDUP-2's greedy over one class's items and ``m`` holders with no other load."""
+    sizes = list(map(chunk_nbytes, items))
+    order = sorted(range(len(items)), key=lambda i: -sizes[i])  # stable: listing order on ties
+    heap = [(0, j) for j in range(m)]  # (load, holder): the least loaded, ties the lowest rank
+    mine: list[list[int]] = [[] for _ in range(m)]
+    writer = [0] * len(items)
+    for i in order:
+        if lowest_rank:
+            continue  # every item to the lowest rank (writer 0)
+        load, j = heap[0]
+        writer[i] = j
+        heapq.heapreplace(heap, (load + sizes[i], j))
+    for i, j in enumerate(writer):
+        mine[j].append(i)
+    return [None if not ix else ix[0] if len(ix) == 1 else itemgetter(*ix) for ix in mine]
 
 
 def _keys_distinct(plans: Sequence[Sequence[WriteItem]]) -> bool:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
+import zlib
 from collections.abc import Iterable, Mapping
 from itertools import filterfalse
+from operator import attrgetter
 from typing import Any
 
 import crc32c
@@ -27,13 +29,17 @@ from refdcp.storage.items import raw_view
 from refdcp.storage.records import fields_are
 
 __all__ = [
+    "BLOCK_SPACING",
+    "Blocks",
     "ItemKey",
+    "block_digests",
     "chunk_nbytes",
     "chunkless_tensors",
     "item_key",
     "may_be_replicated",
     "object_write_items",
     "plain_tensor_item",
+    "plan_and_block_digests",
     "plan_digest",
     "replica_checksums",
     "save_items",
@@ -265,6 +271,75 @@ def plan_digest(items: Iterable[WriteItem], checksums: Mapping[Any, int] | None 
     if checksums:
         h.update(repr(sorted(checksums.items(), key=repr)).encode())
     return h.hexdigest()
+
+
+#: a block ends after an item whose FQN's crc32 is 0 modulo this: blocks of ~64 items on average
+BLOCK_SPACING = 64
+
+#: a plan cut into blocks: the end (exclusive item index) and digest of each block, in order
+Blocks = tuple[list[int], list[bytes]]
+
+
+def block_digests(
+    items: list[WriteItem],
+    checksums: Mapping[Any, int] | None = None,
+    ends: list[int] | None = None,
+) -> Blocks:
+    """The plan cut where the content says, each block digested (PLAN-15, DEDUP-14).
+
+    A block ends after each item whose FQN's crc32 is 0 modulo :data:`BLOCK_SPACING`
+    (and at the plan's end), so the same run of items is cut the same way on every
+    rank and in every process, wherever it sits in the plan: ranks whose plans differ
+    in a few items still send equal digests for the blocks they share. A block's
+    digest covers its items' signatures (as :func:`plan_digest`) and, when
+    ``checksums`` are given, each item's checksum (``None`` where it has none).
+    ``ends`` digests another cut instead (tests: any cut gives the same dedup).
+    """
+    return _blocks(items, list(map(_signature_repr, items)), checksums, ends)
+
+
+def plan_and_block_digests(
+    items: list[WriteItem], checksums: Mapping[Any, int] | None = None
+) -> tuple[str, Blocks]:
+    """:func:`plan_digest` and :func:`block_digests` of one plan, its signatures formatted once."""
+    reprs = list(map(_signature_repr, items))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(("[" + ", ".join(reprs) + "]").encode())
+    if checksums:
+        h.update(repr(sorted(checksums.items(), key=repr)).encode())
+    return h.hexdigest(), _blocks(items, reprs, checksums, None)
+
+
+def _blocks(
+    items: list[WriteItem],
+    reprs: list[str],
+    checksums: Mapping[Any, int] | None,
+    ends: list[int] | None,
+) -> Blocks:
+    if not items:
+        return [], []
+    fqns = list(map(_fqn_of, items))
+    if ends is not None:
+        cuts = list(ends)
+    else:
+        crcs = map(zlib.crc32, map(str.encode, fqns))
+        cuts = [i + 1 for i, c in enumerate(crcs) if not c % BLOCK_SPACING]
+        if not cuts or cuts[-1] != len(items):
+            cuts.append(len(items))
+    keys = list(zip(fqns, map(_offset_of, items))) if checksums is not None else []
+    digests: list[bytes] = []
+    start = 0
+    for end in cuts:
+        h = hashlib.blake2b(", ".join(reprs[start:end]).encode(), digest_size=16)
+        if checksums is not None:
+            h.update(repr(list(map(checksums.get, keys[start:end]))).encode())
+        digests.append(h.digest())
+        start = end
+    return cuts, digests
+
+
+_fqn_of = attrgetter("index.fqn")
+_offset_of = attrgetter("index.offset")
 
 
 def tensor_checksum(t: torch.Tensor) -> int:

@@ -22,13 +22,14 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from .dedup import dedup_items
+from .dedup_blocks import valid_blocks
 from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
 from .global_metadata import PlanValidationError, build_state_dict_metadata
 from .loadable import refuse_unloadable
 from .local_plan import (
     chunkless_tensors,
     item_key,
-    plan_digest,
+    plan_and_block_digests,
     replica_checksums,
     resolve_tensor_chunk,
     save_items,
@@ -144,11 +145,16 @@ class DefaultSavePlanner(SavePlanner):
         if self.check_replicas and not deferred:
             sums = replica_checksums(self.flat.items, items)
         data: dict[str, Any] = dict(self.flat.paths)
+        # the coordinator's digests only matter beside other ranks' plans: they are computed
+        # in create_global_plan when there are any (DEDUP-8); the blocks let plans that differ
+        # share the work of their common items (PLAN-15)
+        digest, blocks = (
+            (None, None) if self.is_coordinator else plan_and_block_digests(items, sums)
+        )
         data[RESERVED_KEY] = {
             **encode_structure(self.flat),
-            # the coordinator's digest only matters beside other ranks' plans: it is computed
-            # in create_global_plan when there are any (DEDUP-8)
-            "digest": None if self.is_coordinator else plan_digest(items, sums),
+            "digest": digest,
+            "blocks": blocks,
             "deferred_digest": self._token if self.is_coordinator else None,
             "checksums": sums,
             "chunkless": chunkless_tensors(self.flat.items, items),
@@ -230,6 +236,7 @@ class DefaultSavePlanner(SavePlanner):
             [p.items for p in all_plans],
             digests=digests,
             checksums=[e.get("checksums") for e in extras],
+            blocks=[e.get("blocks") for e in extras],
             coordinator_rank=self.coordinator_rank,
             bytes_on_coordinator=self.bytes_on_coordinator,
             lowest_rank=self.dedup_save_to_lowest_rank,
@@ -275,7 +282,8 @@ class DefaultSavePlanner(SavePlanner):
             return
         for plan, e in zip(all_plans, extras):
             if e.get("deferred_digest") == self._token and e.get("digest") is None:
-                e["digest"] = plan_digest(plan.items, None)  # in place: the plan cache reads it
+                # in place: the plan cache reads the digest
+                e["digest"], e["blocks"] = plan_and_block_digests(plan.items, None)
 
     def _fill_deferred_checksums(
         self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
@@ -302,9 +310,18 @@ class DefaultSavePlanner(SavePlanner):
             if r == me or (d is not None and d in seen):
                 continue
             seen.add(d)
-            if not my_offsets.isdisjoint(map(_offset, p.items)):  # C-level first screen
-                keys = zip(map(_fqn, p.items), map(_offset, p.items))
-                others.update(filter(my_keys.__contains__, keys))
+            blocks: Any = e.get("blocks")
+            if not valid_blocks(blocks, len(p.items)):
+                blocks = ([len(p.items)], [None])
+            start = 0
+            for end, b in zip(*blocks):  # a block seen in another plan holds the same keys
+                part, start = p.items[start:end], end
+                if b is not None and b in seen:
+                    continue
+                seen.add(b)
+                if not my_offsets.isdisjoint(map(_offset, part)):  # C-level first screen
+                    keys = zip(map(_fqn, part), map(_offset, part))
+                    others.update(filter(my_keys.__contains__, keys))
         shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
         self._coordinator_shared = shared
         extras[me] = {**extras[me], "checksums": replica_checksums(self.flat.items, shared)}
@@ -378,6 +395,7 @@ def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
         checksums=marker.get("checksums"),
         deferred_checksums=marker.get("deferred_checksums"),
         digest=None,  # dedup digests it with this save's checksums
+        blocks=None,  # so are its blocks: one block, named by that digest (DEDUP-14)
         deferred_digest=None,
     )
     data[RESERVED_KEY] = extra
