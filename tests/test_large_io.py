@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import refdcp
 import refdcp.storage.checked_read as checked_read
+import refdcp.storage.crc_pieces as crc_pieces
 import refdcp.storage.verify as verify_mod
 from refdcp.errors import CheckpointError
 from refdcp.storage import CorruptionError, FileSystemWriter
@@ -92,20 +93,27 @@ def _flip(path: Path, info: Any, at: int) -> None:
     f.write_bytes(bytes(raw))
 
 
+def _helpers_when(cpus: int) -> Any:
+    """``checked_read._helpers`` as on a machine with ``cpus`` CPUs and one busy (LOAD-14)."""
+    return lambda: crc_pieces._pool() if cpus > 1 else None
+
+
 @pytest.fixture
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Threaded checking from 1 MiB in 64 KiB pieces, so the tests stay small; records its uses."""
+    """Threaded checking from 1 MiB in 64 KiB pieces, so the tests stay small; records, per
+    checked item that used the helper, how many pieces the helper took."""
     monkeypatch.setattr(checked_read, "THREAD_MIN_BYTES", MiB)
     monkeypatch.setattr(checked_read, "THREAD_PIECE_BYTES", 64 << 10)
-    monkeypatch.setattr(checked_read, "_idle_cpus", lambda: 1.5)  # a CPU free, whatever the load
+    monkeypatch.setattr(checked_read, "_helpers", _helpers_when(2))  # a CPU idle, whatever the load
     used: list[int] = []
-    real = checked_read._follow
 
-    def follow(pieces: Any, crc: int) -> int:
-        used.append(1)
-        return real(pieces, crc)
+    class Recorded(crc_pieces.PieceCrc):
+        def result(self) -> int:
+            value = super().result()
+            used.append(self.helper_pieces)
+            return value
 
-    monkeypatch.setattr(checked_read, "_follow", follow)
+    monkeypatch.setattr(checked_read, "PieceCrc", Recorded)
     return used
 
 
@@ -119,7 +127,7 @@ def test_default_check_of_a_large_item_finds_any_flipped_byte(
     cpus: int,
     where: str,
 ) -> None:
-    monkeypatch.setattr(checked_read, "_idle_cpus", lambda: cpus - 0.5)
+    monkeypatch.setattr(checked_read, "_helpers", _helpers_when(cpus))
     n = (3 * MiB) // 4 + 5  # 3 MiB + 20 bytes: many pieces and a partial last one
     src, md = _save_large(tmp_path, n)
     dest = {"big": torch.zeros(n), "small": torch.zeros(5)}
@@ -148,7 +156,7 @@ def test_default_check_of_a_large_item_finds_any_flipped_byte(
 def test_checked_read_of_a_truncated_file_names_item(
     tmp_path: Path, small_pieces: list[int], monkeypatch: pytest.MonkeyPatch, cpus: int
 ) -> None:
-    monkeypatch.setattr(checked_read, "_idle_cpus", lambda: cpus - 0.5)
+    monkeypatch.setattr(checked_read, "_helpers", _helpers_when(cpus))
     n = MiB // 2
     _src, md = _save_large(tmp_path, n)
     info = _info(md, "big")

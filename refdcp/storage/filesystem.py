@@ -43,6 +43,8 @@ from refdcp.storage.cleanup import (
     wait_until_not_live,
 )
 from refdcp.storage.commit_mark import mark as mark_commit
+from refdcp.storage.crc import crc32c
+from refdcp.storage.crc_pieces import write_checksummed
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError, MissingChecksumError
 from refdcp.storage.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.items import (
@@ -161,6 +163,17 @@ class _FileOut:
         self.pending_bytes += length
         if self.pending_bytes >= _FLUSH_BYTES or len(self.pending) >= _MAX_IOV:
             self.flush()
+
+    def write_checksummed(self, enc: Encoded) -> None:
+        """Write a large tensor item, its CRC-32C computed piece by piece as it goes (STORE-51)."""
+        head, data, tail = enc.parts
+        assert enc.head_crc is not None
+        self.write([head])
+        self.flush()
+        crc = write_checksummed(lambda piece: self._write_all([piece]), data, enc.head_crc)
+        self.position += len(data)
+        enc.crc, enc.head_crc = crc32c(tail, crc), None
+        self.write([tail])
 
     def flush(self) -> None:
         if self.pending:
@@ -413,11 +426,14 @@ class FileSystemWriter(_AtPath, StorageWriter):
                         info = storage_info(name, offset, length, crc, data_offset)
                         append(write_result(item.index, length, info))
                         continue
-                    enc = encode_tensor(data)
+                    enc = encode_tensor(data, by_writer=True)
                 if enc.data_offset is not None and enc.length >= INPLACE_MIN_BYTES:
                     out.write([_ITEM_PAD[: -out.position % len(_ITEM_PAD)]])  # STORE-50
                 offset = out.position
-                out.write(enc.parts, enc)
+                if enc.head_crc is not None:
+                    out.write_checksummed(enc)
+                else:
+                    out.write(enc.parts, enc)
                 info = make_storage_info(name, offset, enc)
                 append(write_result(item.index, enc.length, info))
             out.flush()

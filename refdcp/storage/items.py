@@ -62,8 +62,13 @@ class Encoded:
     data_offset: int | None
     keepalive: Any = None
     crc_future: Future[int] | None = None
+    #: the CRC of ``parts[0]`` when the writer computes the rest piece by piece as it writes
+    #: ``parts[1]`` (``encode_tensor(..., by_writer=True)``, STORE-51); None once it has
+    head_crc: int | None = None
 
     def final_crc(self) -> int:
+        if self.head_crc is not None:
+            raise RuntimeError("the writer has not computed this item's CRC-32C yet (STORE-51)")
         if self.crc_future is not None:
             self.crc = self.crc_future.result()
             self.crc_future = None
@@ -121,12 +126,13 @@ def _crc_tail(head_crc: int, data: memoryview, tail: bytes) -> int:
     return int(crc32c.crc32c(tail, crc32c.crc32c(data, head_crc)))
 
 
-def encode_tensor(tensor: torch.Tensor) -> Encoded:
+def encode_tensor(tensor: torch.Tensor, by_writer: bool = False) -> Encoded:
     """Frame a tensor as a torch.save archive around its raw bytes (FMT-3, FMT-20, FMT-22).
 
     Every size takes this path (zip64 records from 4 GiB on); the bytes are
     written from the memory of the tensor's values (SAVE-10) and checksummed
-    while they are written.
+    while they are written: on a helper thread, or, with ``by_writer`` and a
+    large plain tensor, by the writer piece by piece (``head_crc`` set, STORE-51).
     """
     t = tensor if bytes_are_values(tensor) and tensor.is_cpu else values_tensor(tensor)  # SAVE-10
     if t.requires_grad:
@@ -137,6 +143,8 @@ def encode_tensor(tensor: torch.Tensor) -> Encoded:
     data = raw_view(t)
     head, tail = frame.head, frame.tail
     length = len(head) + len(data) + len(tail)
+    if len(data) >= _ASYNC_CRC_BYTES and by_writer:
+        return Encoded([head, data, tail], length, 0, len(head), t, head_crc=frame.head_crc)
     if len(data) >= _ASYNC_CRC_BYTES:
         fut = _crc_pool().submit(_crc_tail, frame.head_crc, data, tail)
         return Encoded([head, data, tail], length, 0, len(head), t, fut)
