@@ -348,3 +348,51 @@ def test_the_write_helper_works_in_a_forked_child(
         ] == bytes(want)
 
     _in_forked_child(child)
+
+
+@pytest.mark.spec("INTEG-11")
+@given(st.integers(1, 1 << 24), st.integers(0, 0xFFFFFFFF))
+@settings(max_examples=25, deadline=None)
+def test_the_table_shift_of_a_fresh_length_equals_the_matrix_shift(nbytes: int, crc: int) -> None:
+    # The per-length tables are built on first use of a length (only the 4 MiB
+    # piece is built at import): a wrong table entry must show for any length.
+    # Every cache rebuilt from scratch (the import filled them for the 4 MiB piece).
+    saved = (crc_pieces._POWERS[:], dict(crc_pieces._BY_LENGTH), dict(crc_pieces._TABLES))
+    try:
+        del crc_pieces._POWERS[1:]
+        crc_pieces._BY_LENGTH.clear()
+        crc_pieces._TABLES.clear()
+        got = crc_pieces._shift_by_tables(crc, nbytes)
+        assert got == crc_pieces.crc32c_shift(crc, nbytes)
+    finally:
+        crc_pieces._POWERS[:] = saved[0]
+        crc_pieces._BY_LENGTH.clear()
+        crc_pieces._BY_LENGTH.update(saved[1])
+        crc_pieces._TABLES.clear()
+        crc_pieces._TABLES.update(saved[2])
+    if nbytes <= 4096:  # against the package: crc(a + zeros) = shift(crc(a)) ^ crc(zeros)
+        a = os.urandom(16)
+        whole = crc32c_package.crc32c(a + bytes(nbytes))
+        assert (
+            crc_pieces._shift_by_tables(crc32c_package.crc32c(a), nbytes)
+            ^ crc32c_package.crc32c(bytes(nbytes))
+            == whole
+        )
+
+
+@pytest.mark.spec("STORE-51", "INTEG-11")
+@pytest.mark.parametrize("helper", ["inline", "pool"])
+def test_write_checksummed_with_the_real_piece_sizes(
+    monkeypatch: pytest.MonkeyPatch, helper: str
+) -> None:
+    # The module's own piece sizes (other tests shrink them): every byte written
+    # once, in order, in pieces of that size, and the CRC of exactly those bytes.
+    monkeypatch.setattr(crc_pieces, "helpers_if_cpu_free", lambda: _helpers(helper))
+    step = crc_pieces.INLINE_PIECE_BYTES if helper == "inline" else crc_pieces.HELPER_PIECE_BYTES
+    data = memoryview(os.urandom(2 * crc_pieces.HELPER_PIECE_BYTES + 5))
+    written: list[bytes] = []
+    got = crc_pieces.write_checksummed(lambda v: written.append(bytes(v)), data, 7)
+    assert b"".join(written) == data
+    assert [len(w) for w in written[:-1]] == [step] * (len(written) - 1)
+    assert len(written) == -(-len(data) // step)
+    assert got == crc32c_package.crc32c(data, 7)

@@ -1,4 +1,4 @@
-"""CRC-32C of a large buffer, piece by piece, shared by the I/O thread and a helper (LOAD-14, STORE-51).
+"""CRC-32C of a large buffer, piece by piece, shared by the I/O thread and a helper (INTEG-11, LOAD-14, STORE-51).
 
 Each piece gets its own CRC-32C (from 0), so any thread may compute any piece
 in any order; ``crc32c_combine`` joins them (zlib's ``crc32_combine`` for the
