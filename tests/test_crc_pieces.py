@@ -27,6 +27,7 @@ from refdcp.errors import CheckpointError
 from refdcp.storage import CorruptionError, FileSystemWriter
 from refdcp.storage.crc_pieces import PieceCrc, crc32c_combine, crc32c_shift
 from refdcp.storage.items import checksum_of, data_offset_of
+from tests.test_large_io import record_helper_pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is")
 
@@ -170,19 +171,7 @@ def test_the_running_count_is_read_from_the_kernel() -> None:
 @pytest.fixture
 def pipelined(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Items from 1 MiB read in 64 KiB pieces with the helper; records the helper's pieces."""
-    monkeypatch.setattr(checked_read, "THREAD_MIN_BYTES", MiB)
-    monkeypatch.setattr(checked_read, "THREAD_PIECE_BYTES", 64 << 10)
-    monkeypatch.setattr(checked_read, "_helpers", lambda: crc_pieces._pool())
-    used: list[int] = []
-
-    class Recorded(PieceCrc):
-        def result(self) -> int:
-            value = super().result()
-            used.append(self.helper_pieces)
-            return value
-
-    monkeypatch.setattr(checked_read, "PieceCrc", Recorded)
-    return used
+    return record_helper_pieces(monkeypatch, lambda: crc_pieces._pool())
 
 
 def _save_big(path: Path, n: int) -> tuple[dict[str, torch.Tensor], Any]:

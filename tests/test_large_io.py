@@ -102,9 +102,15 @@ def _helpers_when(cpus: int) -> Any:
 def small_pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Threaded checking from 1 MiB in 64 KiB pieces, so the tests stay small; records, per
     checked item that used the helper, how many pieces the helper took."""
+    return record_helper_pieces(monkeypatch, _helpers_when(2))  # a CPU idle, whatever the load
+
+
+def record_helper_pieces(monkeypatch: pytest.MonkeyPatch, helpers: Any) -> list[int]:
+    """Threaded checking from 1 MiB in 64 KiB pieces with ``helpers``; the returned list gets,
+    per checked item that used the helper, how many pieces the helper took."""
     monkeypatch.setattr(checked_read, "THREAD_MIN_BYTES", MiB)
     monkeypatch.setattr(checked_read, "THREAD_PIECE_BYTES", 64 << 10)
-    monkeypatch.setattr(checked_read, "_helpers", _helpers_when(2))  # a CPU idle, whatever the load
+    monkeypatch.setattr(checked_read, "_helpers", helpers)
     used: list[int] = []
 
     class Recorded(crc_pieces.PieceCrc):

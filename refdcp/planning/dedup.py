@@ -167,30 +167,15 @@ def dedup_items(
                 # a lone rank's own bytes: every item no other class holds
                 own = compress(items, map(not_, masks[c])) if shared else items
                 loads[members[0]] = sum(map(chunk_nbytes, own))
-    replicated.sort(key=lambda e: -e[0])
-    load_of = loads.__getitem__
-    heap = [(load, r) for r, load in enumerate(loads)]  # least loaded of all ranks, lazily
-    heapq.heapify(heap)
-    for nbytes, k, ranks, item in replicated:
-        if lowest_rank:
-            r = ranks[0]
-        elif (
-            bytes_on_coordinator
-            and item.type == WriteItemType.BYTE_IO
-            and coordinator_rank in ranks
-        ):
-            r = coordinator_rank
-        elif len(ranks) == world:
-            while True:
-                load, r = heap[0]
-                if load == loads[r]:
-                    break
-                heapq.heapreplace(heap, (loads[r], r))
-            heapq.heapreplace(heap, (load + nbytes, r))
-        else:
-            r = min(ranks, key=load_of)
-        owner[k] = r
-        loads[r] += nbytes
+    assign_largest_first(
+        replicated,
+        owner,
+        loads,
+        world,
+        coordinator_rank,
+        bytes_on_coordinator,
+        lowest_rank,
+    )
     # 5. per-rank plans: one pass per class, C-level filtering for single ranks
     owner_get = owner.__getitem__
     for c, members in enumerate(members_of):
@@ -367,3 +352,43 @@ def _describe(sig: tuple[Any, ...]) -> str:
         sig[0], "item"
     )
     return f"a {kind} of chunk shape {sig[1]}, dtype {sig[2]}, global shape {sig[3]}"
+
+
+def assign_largest_first(
+    replicated: list[tuple[int, ItemKey, list[int], WriteItem]],
+    owner: dict[ItemKey, int],
+    loads: list[int],
+    world: int,
+    coordinator_rank: int,
+    bytes_on_coordinator: bool,
+    lowest_rank: bool,
+) -> None:
+    """DEDUP-2: each replicated key, largest first, to its least loaded holder (ties: lowest rank).
+
+    Fills ``owner`` and adds to ``loads`` in place; shared by the whole-plan and
+    the block dedup (DEDUP-14), so both apply one rule.
+    """
+    replicated.sort(key=lambda e: -e[0])
+    load_of = loads.__getitem__
+    heap = [(load, r) for r, load in enumerate(loads)]  # least loaded of all ranks, lazily
+    heapq.heapify(heap)
+    for nbytes, k, ranks, item in replicated:
+        if lowest_rank:
+            r = ranks[0]
+        elif (
+            bytes_on_coordinator
+            and item.type == WriteItemType.BYTE_IO
+            and coordinator_rank in ranks
+        ):
+            r = coordinator_rank
+        elif len(ranks) == world:
+            while True:
+                load, r = heap[0]
+                if load == loads[r]:
+                    break
+                heapq.heapreplace(heap, (loads[r], r))
+            heapq.heapreplace(heap, (load + nbytes, r))
+        else:
+            r = min(ranks, key=load_of)
+        owner[k] = r
+        loads[r] += nbytes

@@ -12,16 +12,15 @@ plans are cut into blocks.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import attrgetter, not_
 from typing import Any
 
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem
 
-from .dedup import DedupResult, _disagreements, _suspects
+from .dedup import DedupResult, _disagreements, _suspects, assign_largest_first
 from .local_plan import Blocks, ItemKey, chunk_nbytes
 
 __all__ = ["dedup_by_blocks", "units_of", "valid_blocks"]
@@ -158,7 +157,9 @@ def dedup_by_blocks(
                     _disagreements(k, holding, item_of, unit_members, unit_rep, all_sums)
                 )
         replicated.append((chunk_nbytes(item), k, ranks, item))
-    _greedy(replicated, owner, loads, world, coordinator_rank, bytes_on_coordinator, lowest_rank)
+    assign_largest_first(
+        replicated, owner, loads, world, coordinator_rank, bytes_on_coordinator, lowest_rank
+    )
     # per unit, the positions each of its ranks writes; then per rank, from its class rep's
     # own plan (the item objects the class path gives: the same pickled metadata, META-8)
     owner_get = owner.__getitem__
@@ -188,39 +189,3 @@ def dedup_by_blocks(
                     parts.append(map(plan.__getitem__, map(start.__add__, ix)))
             out[r] = list(chain.from_iterable(parts))
     return DedupResult(plans=out, problems=problems, class_reps=reps)
-
-
-def _greedy(
-    replicated: list[tuple[int, ItemKey, list[int], WriteItem]],
-    owner: dict[ItemKey, int],
-    loads: list[int],
-    world: int,
-    coordinator_rank: int,
-    bytes_on_coordinator: bool,
-    lowest_rank: bool,
-) -> None:
-    """DEDUP-2: largest first, to the least loaded holder (ties: lowest rank)."""
-    replicated.sort(key=lambda e: -e[0])
-    load_of = loads.__getitem__
-    heap = [(load, r) for r, load in enumerate(loads)]  # least loaded of all ranks, lazily
-    heapq.heapify(heap)
-    for nbytes, k, ranks, item in replicated:
-        if lowest_rank:
-            r = ranks[0]
-        elif (
-            bytes_on_coordinator
-            and item.type == WriteItemType.BYTE_IO
-            and coordinator_rank in ranks
-        ):
-            r = coordinator_rank
-        elif len(ranks) == world:
-            while True:
-                load, r = heap[0]
-                if load == loads[r]:
-                    break
-                heapq.heapreplace(heap, (loads[r], r))
-            heapq.heapreplace(heap, (load + nbytes, r))
-        else:
-            r = min(ranks, key=load_of)
-        owner[k] = r
-        loads[r] += nbytes
