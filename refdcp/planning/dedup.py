@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from .dedup_duplicates import class_duplicates
 from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
 from .local_plan import Blocks, ItemKey, _signature, chunk_nbytes, plan_digest
 
@@ -103,6 +104,10 @@ def dedup_items(
         else []  # a lone rank's keys are not needed when no key is shared
         for c, (rep, members) in enumerate(zip(reps, members_of))
     ]
+    if not distinct:  # a plan listing a key twice: refused before any assignment (DEDUP-15)
+        dups = class_duplicates(keys_of, members_of)
+        if dups:
+            return DedupResult(plans=[list(p) for p in plans], problems=dups, class_reps=reps)
     counts = Counter() if distinct else Counter(chain.from_iterable(keys_of))
     shared = set() if distinct else {k for k, n in counts.items() if n > 1}
     # per class, which of its keys other classes hold too: computed once, used by steps 3-4

@@ -21,6 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.planner import WriteItem
 
 from .dedup import DedupResult, _disagreements, _suspects, assign_largest_first
+from .dedup_duplicates import unit_duplicates
 from .local_plan import Blocks, ItemKey, chunk_nbytes
 
 __all__ = ["dedup_by_blocks", "units_of", "valid_blocks"]
@@ -57,6 +58,7 @@ def units_of(
         if cut is None or not valid_blocks(cut, len(plan)):
             cut = ([len(plan)], [("plan", whole[c])]) if plan else ([], [])
         mine: list[int] = []
+        listed: set[int] = set()
         start = 0
         for end, digest in zip(*cut):
             u = unit_of.setdefault(digest, len(items_of))
@@ -64,11 +66,12 @@ def units_of(
                 items_of.append(plan[start:end])
                 rep_of.append(rep)
                 class_of.append(c)
-            elif class_of[u] == c:
+            elif u in listed:
                 return None  # the same block twice in one plan: the class path handles it
             else:
                 shared = True
             mine.append(u)
+            listed.add(u)
             start = end
         units_by_class.append(mine)
         ends_by_class.append(list(cut[0]))
@@ -108,6 +111,9 @@ def dedup_by_blocks(
     keys_of = [list(zip(map(_fqn, items), map(_offset, items))) for items in items_of]
     counts = Counter(chain.from_iterable(keys_of))  # units holding each key
     masks = [[counts[k] > 1 for k in keys] for keys in keys_of]
+    dups = unit_duplicates(keys_of, masks, units_by_class, members_of)
+    if dups:  # a plan listing a key twice: refused before any assignment (DEDUP-15)
+        return DedupResult(plans=[list(p) for p in plans], problems=dups, class_reps=reps)
     # replicated keys (held by several units, or by a unit of several ranks), first seen first
     rep_item: dict[ItemKey, WriteItem] = {}
     owner: dict[ItemKey, int] = {}

@@ -5,7 +5,7 @@ in executable form, with no speed tricks: a property test checks that the
 fast version gives the same plans and problems on any input (DEDUP-9), and
 ``refdcp trace`` shows its :class:`Decision` records (TRACE-7).
 
-The rule (DEDUP-1..7):
+The rule (DEDUP-1..7, after DEDUP-15's check that no rank lists a chunk twice):
 
 1. An item held by one rank stays there; its bytes count toward that rank's load.
 2. Replicated items, largest chunk first (ties: the order in which the lowest
@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from .dedup_duplicates import duplicate_problems, repeated_keys
 from .local_plan import ItemKey, _signature, chunk_nbytes, item_key
 
 __all__ = ["Decision", "reference_dedup"]
@@ -54,6 +55,11 @@ def reference_dedup(
     """(per-rank kept items, problems, one decision per replicated item)."""
     world = len(plans)
     sums = list(checksums) if checksums is not None else [None] * world
+    dups = duplicate_problems(
+        (r, repeated_keys(list(map(item_key, p)))) for r, p in enumerate(plans)
+    )
+    if dups:  # rule 0: each rank lists each chunk once (DEDUP-15); nothing is assigned
+        return [list(p) for p in plans], dups, []
     holders: dict[ItemKey, list[int]] = {}
     replicas: dict[ItemKey, dict[int, WriteItem]] = {}
     for rank, plan in enumerate(plans):
