@@ -42,3 +42,17 @@ def test_chunks_ending_exactly_at_x_are_not_returned(
     before = index.visited
     again = index.indices_ending_after(x, last)
     assert again == got and index.visited >= before + max(1, len(got))
+
+
+@pytest.mark.spec("RESHARD-6")
+def test_every_small_index_is_exact_for_every_x_and_prefix() -> None:
+    """Deterministic and exhaustive over small sizes (1-12 chunks, sizes that are not
+    powers of two included): the tree's shape never drops or misplaces a chunk."""
+    for n in range(1, 13):
+        for pattern in (range(n), range(n, 0, -1), [(7 * i) % 5 for i in range(n)]):
+            ends = [1 + v for v in pattern]
+            index = _EndIndex(ends)
+            for x in range(-1, max(ends) + 1):
+                for last in range(n + 1):
+                    expect = [i for i in range(last) if ends[i] > x]
+                    assert index.indices_ending_after(x, last) == expect, (ends, x, last)

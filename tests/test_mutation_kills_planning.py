@@ -157,3 +157,15 @@ def test_the_cause_after_torchs_marker_is_quoted_whole() -> None:
     assert problem is not None
     want = "(inner blob refused (WeightsUnpickler error: Unsupported global: GLOBAL a.B)); "
     assert want in problem, problem
+
+
+@pytest.mark.spec("DEDUP-14", "PLAN-15")
+def test_a_cut_with_an_empty_block_is_not_valid() -> None:
+    """Blocks are non-empty runs: an end repeated (a block of no items) is refused, as is
+    an end past the plan or ends out of order."""
+    d = [b"a" * 16, b"b" * 16, b"c" * 16]
+    assert valid_blocks(([1, 2, 3], d), 3)
+    assert not valid_blocks(([1, 1, 3], d), 3)
+    assert not valid_blocks(([2, 1, 3], d), 3)
+    assert not valid_blocks(([1, 2, 4], d), 3)
+    assert not valid_blocks(([0, 3], d[:2]), 3)
