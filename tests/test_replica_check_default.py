@@ -20,13 +20,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 def _count_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
-    real = local_plan.tensor_checksum
+    real = local_plan.tensor_digests
 
-    def counting(t: torch.Tensor) -> int:
-        seen.append(t.numel())
-        return real(t)
+    def counting(tensors: list[torch.Tensor]) -> list[int]:
+        seen.extend(t.numel() for t in tensors)
+        return real(tensors)
 
-    monkeypatch.setattr(local_plan, "tensor_checksum", counting)
+    monkeypatch.setattr(local_plan, "tensor_digests", counting)
     return seen
 
 

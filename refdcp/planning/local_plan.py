@@ -14,7 +14,6 @@ from itertools import filterfalse
 from operator import attrgetter
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 from torch.distributed.checkpoint.metadata import (
@@ -25,6 +24,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from refdcp.storage.crc import KERNELS, crc32c
+from refdcp.storage.crc_pieces import crc32c_each
 from refdcp.storage.items import raw_view
 from refdcp.storage.records import fields_are
 
@@ -346,13 +347,13 @@ def tensor_checksum(t: torch.Tensor) -> int:
     """crc32c of a tensor's element bytes in row-major order (DEDUP-6)."""
     if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         # the common case, read in place (raw_view does not copy; ``t`` stays alive here)
-        return int(crc32c.crc32c(raw_view(t))) if t.numel() else 0
+        return int(crc32c(raw_view(t))) if t.numel() else 0
     t = t.detach().resolve_conj().resolve_neg().to("cpu")
     if t.numel() == 0:
         return 0
     if not t.is_contiguous():  # a contiguous tensor is checksummed in place, without a copy
         t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
-    return int(crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy().data))
+    return int(crc32c(t.reshape(-1).view(torch.uint8).numpy().data))
 
 
 def _canonical(obj: Any) -> Any:
@@ -369,7 +370,7 @@ def _canonical(obj: Any) -> Any:
 
 def object_checksum(obj: Any) -> int:
     """Checksum of a non-tensor value, equal for equal values on every rank and host (DEDUP-6)."""
-    return int(crc32c.crc32c(pickle.dumps(_canonical(obj), protocol=4)))
+    return int(crc32c(pickle.dumps(_canonical(obj), protocol=4)))
 
 
 def may_be_replicated(obj: Any) -> bool:
@@ -381,18 +382,50 @@ def may_be_replicated(obj: Any) -> bool:
     return True
 
 
+#: plain CPU tensors of at least this many bytes are checksummed together (DEDUP-16)
+SHARED_DIGEST_MIN_BYTES = 64 << 10
+#: the same CRC-32C, the kernel whose call costs least on small buffers (KERNELS agree)
+_small_crc = KERNELS["crc32c"]
+
+
 def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
     """Checksum of every item's value that other ranks may hold too, keyed like dedup
     groups items (DEDUP-6, DEDUP-13)."""
     out: dict[Any, int] = {}
+    keys: list[Any] = []
+    tensors: list[torch.Tensor] = []
     for item in items:
         obj = flat[item.index.fqn]
         if not may_be_replicated(obj):
             continue
+        key = item_key(item)
         if item.type == WriteItemType.BYTE_IO:
-            out[item_key(item)] = object_checksum(obj)
+            out[key] = object_checksum(obj)
         else:
-            out[item_key(item)] = tensor_checksum(resolve_tensor_chunk(obj, item.index))
+            out[key] = 0  # its place in the order; the value below
+            keys.append(key)
+            tensors.append(resolve_tensor_chunk(obj, item.index))
+    if tensors:
+        out.update(zip(keys, tensor_digests(tensors)))
+    return out
+
+
+def tensor_digests(tensors: list[torch.Tensor]) -> list[int]:
+    """``tensor_checksum`` of each tensor; the plain ones of at least 64 KiB together, with a
+    helper thread when a CPU is free (DEDUP-16)."""
+    out = [0] * len(tensors)
+    shared: list[int] = []
+    views: list[memoryview] = []  # they do not keep their tensors alive: ``tensors`` does
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+            out[i] = tensor_checksum(t)  # a copy first
+        elif t.nbytes < SHARED_DIGEST_MIN_BYTES:  # the kernel with the cheapest call
+            out[i] = _small_crc(raw_view(t)) if t.nbytes else 0
+        else:
+            shared.append(i)
+            views.append(raw_view(t))
+    for i, value in zip(shared, crc32c_each(views) if views else ()):
+        out[i] = value
     return out
 
 

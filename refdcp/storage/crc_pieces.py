@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from .crc import crc32c
@@ -28,6 +28,7 @@ __all__ = [
     "INLINE_PIECE_BYTES",
     "PieceCrc",
     "crc32c_combine",
+    "crc32c_each",
     "crc32c_shift",
     "helpers_if_cpu_free",
     "idle_cpus",
@@ -341,6 +342,79 @@ def write_checksummed(write: Callable[[memoryview], None], data: memoryview, crc
         pieces.close()
         raise
     return pieces.result()
+
+
+#: below this many bytes in all, ``crc32c_each`` does not wake a helper thread
+EACH_SHARE_MIN_BYTES = 16 << 20
+
+
+def crc32c_each(views: Sequence[memoryview]) -> list[int]:
+    """The CRC-32C of each buffer, shared with a helper thread when a CPU is free (DEDUP-16).
+
+    The buffers are cut into pieces of at most 4 MiB; the helper takes pieces
+    from the front while this thread takes them from the back, until they meet;
+    each buffer's CRC is combined exactly from its pieces' (INTEG-11). A helper
+    that never starts (its pool busy) costs nothing: this thread then computes
+    every piece and waits only for a piece the helper is on.
+    """
+    helpers = helpers_if_cpu_free() if sum(map(len, views)) >= EACH_SHARE_MIN_BYTES else None
+    if helpers is None:
+        return [crc32c(v) for v in views]
+    step = HELPER_PIECE_BYTES
+    jobs = [(i, a) for i, v in enumerate(views) for a in range(0, max(len(v), 1), step)]
+    crcs = [0] * len(jobs)
+    cond = threading.Condition(threading.Lock())
+    ends = [0, len(jobs)]  # the helper's next piece; one past this thread's next piece
+    busy: list[int] = []  # pieces the helper is computing now
+    failed: list[BaseException] = []
+
+    def compute(j: int) -> None:
+        i, a = jobs[j]
+        crcs[j] = crc32c(views[i][a : a + step])
+
+    def helper() -> None:
+        while True:
+            with cond:
+                if ends[0] >= ends[1]:
+                    return
+                j = ends[0]
+                ends[0] += 1
+                busy.append(j)
+            try:
+                compute(j)
+            except BaseException as exc:  # reported by the caller's thread
+                failed.append(exc)
+            finally:
+                with cond:
+                    busy.remove(j)
+                    cond.notify_all()
+
+    helpers.submit(helper)
+    try:
+        while True:
+            with cond:
+                if ends[0] >= ends[1]:
+                    break
+                ends[1] -= 1
+                j = ends[1]
+            compute(j)
+    finally:
+        with cond:
+            ends[1] = ends[0]  # the helper takes nothing more
+            while busy:  # it must not outlive the memory it reads
+                cond.wait()
+    if failed:
+        raise failed[0]
+    out: list[int] = []
+    for j, (i, a) in enumerate(jobs):
+        if a == 0:
+            out.append(crcs[j])
+        else:
+            n = min(step, len(views[i]) - a)
+            out[i] = (_shift_by_tables(out[i], n) if n == step else crc32c_shift(out[i], n)) ^ crcs[
+                j
+            ]
+    return out
 
 
 _shift_by_tables(0, HELPER_PIECE_BYTES)  # at import (~2 ms): a fresh process's first load skips it

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
+from refdcp.storage.crc import crc32c
 from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
@@ -302,7 +302,7 @@ def dump_metadata(metadata: Metadata) -> bytes:
     """The bytes of a refdcp ``.metadata`` file: pickle + CRC-32C trailer (FMT-1, INTEG-2)."""
     setattr(metadata, FORMAT_ATTR, REFDCP_FORMAT)
     body = dumps_metadata(metadata)  # pickle.dumps(metadata), byte for byte
-    return body + TRAILER_PREFIX + b"%08x\n" % crc32c.crc32c(body)
+    return body + TRAILER_PREFIX + b"%08x\n" % crc32c(body)
 
 
 def has_checksum_trailer(data: bytes) -> bool:
@@ -367,7 +367,7 @@ def _load_metadata(
         )
     match = _TRAILER.search(data[-_TRAILER_LEN:]) if len(data) >= _TRAILER_LEN else None
     body = data[: len(data) - _TRAILER_LEN] if match else data
-    if match is not None and crc32c.crc32c(body) != int(match.group(1), 16):
+    if match is not None and crc32c(body) != int(match.group(1), 16):
         raise CorruptionError("metadata checksum mismatch", fqn=None, file=file, offset=0)
     try:
         metadata = safe_loads(body, limits)
