@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from refdcp.storage.crc import KERNELS, crc32c
+from refdcp.storage.crc import crc32c, crc32c_small
 from refdcp.storage.crc_pieces import crc32c_each
 from refdcp.storage.items import raw_view
 from refdcp.storage.records import fields_are
@@ -384,8 +384,6 @@ def may_be_replicated(obj: Any) -> bool:
 
 #: plain CPU tensors of at least this many bytes are checksummed together (DEDUP-16)
 SHARED_DIGEST_MIN_BYTES = 64 << 10
-#: the same CRC-32C, the kernel whose call costs least on small buffers (KERNELS agree)
-_small_crc = KERNELS["crc32c"]
 
 
 def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
@@ -420,7 +418,7 @@ def tensor_digests(tensors: list[torch.Tensor]) -> list[int]:
         if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
             out[i] = tensor_checksum(t)  # a copy first
         elif t.nbytes < SHARED_DIGEST_MIN_BYTES:  # the kernel with the cheapest call
-            out[i] = _small_crc(raw_view(t)) if t.nbytes else 0
+            out[i] = crc32c_small(raw_view(t)) if t.nbytes else 0
         else:
             shared.append(i)
             views.append(raw_view(t))

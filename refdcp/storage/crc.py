@@ -17,7 +17,7 @@ from typing import Protocol
 import crc32c as _crc32c_pkg
 from typing_extensions import Buffer
 
-__all__ = ["KERNEL", "KERNELS", "CrcFunction", "crc32c"]
+__all__ = ["KERNEL", "KERNELS", "CrcFunction", "crc32c", "crc32c_small"]
 
 
 class CrcFunction(Protocol):
@@ -43,3 +43,6 @@ else:
 #: the kernel ``crc32c`` is: the fastest importable one
 KERNEL = "fastcrc" if "fastcrc" in KERNELS else "crc32c"
 crc32c: CrcFunction = KERNELS[KERNEL]
+#: the same CRC-32C with the cheapest call, for many small buffers (the crc32c package's own
+#: function: no wrapper; its values are KERNELS["crc32c"]'s)
+crc32c_small: CrcFunction = _crc32c_pkg.crc32c
