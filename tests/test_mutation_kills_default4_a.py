@@ -7,7 +7,8 @@
   ``dcp.save`` drives the writer (it never calls ``abort_save``) (STORE-29).
 - ``inplace.py:143``: an unexpected error while probing an archive propagates as itself (STORE-40).
 - ``items.py:91``: a CRC pool entry of another process id is replaced (STORE-49).
-- ``items.py:218``: ``ChunkIndex`` keys a chunk by its offsets' values whatever their type (META-8).
+- ``items.py:218``: ``ChunkIndex`` keys a chunk by its offsets' and sizes' values whatever
+  their sequence type (META-8).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def test_a_crc_pool_of_another_process_is_replaced(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.spec("META-8")
-@pytest.mark.parametrize("kind", [list, tuple, torch.Size])
-def test_chunk_index_keys_offsets_by_value(kind: type) -> None:
-    chunk = ChunkStorageMetadata(offsets=kind([2]), sizes=torch.Size([3]))
+@pytest.mark.parametrize("offsets_kind", [list, tuple, torch.Size])
+@pytest.mark.parametrize("sizes_kind", [list, tuple, torch.Size])
+def test_chunk_index_keys_chunks_by_value(offsets_kind: type, sizes_kind: type) -> None:
+    chunk = ChunkStorageMetadata(offsets=offsets_kind([2]), sizes=sizes_kind([3]))
     md = Metadata(
         {
             "w": TensorStorageMetadata(
