@@ -42,7 +42,7 @@ test-gpu:
 	HYPOTHESIS_PROFILE=ci $(PYTEST) -p refdcp.testing.gpu_gate -m gpu -v -rs
 
 mutation:
-	# not part of make test or CI; the default sample took 10-17 minutes on 2 shared cores (tests/MUTATION.md)
+	# not part of make test or CI; the default sample takes 280-320 s on a quiet 2-core machine, 10-17 minutes on shared cores (tests/MUTATION.md)
 	MUTATION_SAMPLE=$(MUTATION_SAMPLE) MUTATION_SEED=$(MUTATION_SEED) MUTATION_JOBS=$(MUTATION_JOBS) \
 		$(BIN)/python -m mutation
 
