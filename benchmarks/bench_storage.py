@@ -217,12 +217,16 @@ def _trial(
             # a one-rank save is the coordinator, which digests only items other ranks hold:
             # nothing here (DEDUP-13). A non-coordinator rank holding the same state digests
             # every plain tensor in its local plan: time that work too (in the raw slot)
+            import gc
+
             from refdcp.planning.local_plan import replica_checksums, save_items
 
             items = save_items(sd)
+            gc.disable()  # as in the planner, which plans with the collector paused (API-20)
             t0 = time.perf_counter()
             replica_checksums(sd, items)
             raw_s = time.perf_counter() - t0
+            gc.enable()
     out.put((elapsed, phase[0], extra, raw_s, cpu, raw_cpu))
 
 
