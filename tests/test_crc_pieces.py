@@ -377,10 +377,21 @@ def test_write_checksummed_with_the_real_piece_sizes(
     # The module's own piece sizes (other tests shrink them): every byte written
     # once, in order, in pieces of that size, and the CRC of exactly those bytes.
     monkeypatch.setattr(crc_pieces, "helpers_if_cpu_free", lambda: _helpers(helper))
-    step = crc_pieces.INLINE_PIECE_BYTES if helper == "inline" else crc_pieces.HELPER_PIECE_BYTES
+    # inline: checksummed in INLINE_PIECE_BYTES pieces, written HELPER_PIECE_BYTES at a time
+    step = crc_pieces.HELPER_PIECE_BYTES
     data = memoryview(os.urandom(2 * crc_pieces.HELPER_PIECE_BYTES + 5))
     written: list[bytes] = []
+    sizes: list[int] = []
+    real = crc_pieces.crc32c
+
+    def recorded(piece: Any, value: int = 0) -> int:
+        sizes.append(len(piece))
+        return real(piece, value)
+
+    monkeypatch.setattr(crc_pieces, "crc32c", recorded)
     got = crc_pieces.write_checksummed(lambda v: written.append(bytes(v)), data, 7)
+    crc_step = crc_pieces.INLINE_PIECE_BYTES if helper == "inline" else step
+    assert max(sizes) == crc_step and sum(sizes) == len(data)  # every byte checksummed once
     assert b"".join(written) == data
     assert [len(w) for w in written[:-1]] == [step] * (len(written) - 1)
     assert len(written) == -(-len(data) // step)

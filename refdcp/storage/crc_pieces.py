@@ -35,7 +35,8 @@ __all__ = [
     "write_checksummed",
 ]
 
-#: bytes written per piece checksummed by the writing thread itself: fit in its L2 cache
+#: bytes checksummed per piece by the writing thread itself: fit in its L2 cache; written
+#: HELPER_PIECE_BYTES at a time (1 MiB writes halved a 4 GiB save's rate on a throttled disk)
 INLINE_PIECE_BYTES = 1 << 20
 #: bytes written per piece when a helper thread may checksum pieces ahead of the write
 HELPER_PIECE_BYTES = 4 << 20
@@ -319,17 +320,19 @@ def write_checksummed(write: Callable[[memoryview], None], data: memoryview, crc
     """``write`` all of ``data`` in pieces; return the CRC-32C continued from ``crc`` over it (STORE-51).
 
     Each piece is checksummed just before it is written, so the write copies it
-    from cache: by a helper thread one piece ahead of the write when a CPU is
-    idle, else by this thread. ``write(view)`` must write all of ``view`` or
+    from cache: by a helper thread one 4 MiB piece ahead of the write when a CPU
+    is idle, else by this thread in 1 MiB pieces written 4 MiB at a time (1 MiB
+    writes halve the rate once the kernel throttles dirty pages). ``write(view)`` must write all of ``view`` or
     raise; the error then propagates once the helper has let go of ``data``.
     """
     helpers = helpers_if_cpu_free()
     if helpers is None:
-        step = INLINE_PIECE_BYTES
-        for at in range(0, len(data), step):
-            piece = data[at : at + step]
-            crc = crc32c(piece, crc)
-            write(piece)
+        step, group = INLINE_PIECE_BYTES, HELPER_PIECE_BYTES
+        for at in range(0, len(data), group):
+            chunk = data[at : at + group]
+            for b in range(0, len(chunk), step):
+                crc = crc32c(chunk[b : b + step], crc)
+            write(chunk)
         return crc
     step = HELPER_PIECE_BYTES
     pieces = PieceCrc(data, step, crc, helpers)
