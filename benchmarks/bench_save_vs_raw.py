@@ -14,7 +14,8 @@ on the same tensor memory:
 
 Reported: GiB/s per writer, median and best, and refdcp's ratio to each raw writer.
 
-Run: ``.venv/bin/python -m benchmarks.bench_save_vs_raw [--gib 4] [--runs 4] [--dir DIR]``.
+Run: ``.venv/bin/python -m benchmarks.bench_save_vs_raw [--gib 4] [--runs 4] [--dir DIR]``,
+or ``make bench BENCH=save-vs-raw`` (part of ``make bench``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, default=4.0, help="tensor size in GiB (+ 16 KiB)")
     parser.add_argument("--runs", type=int, default=4, help="runs of each writer")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
-    args = parser.parse_args(argv)
+    args, _ = parser.parse_known_args(argv)  # make bench passes every suite the same options
     warnings.filterwarnings("ignore")
     import numpy.ma  # noqa: F401  (imported lazily by the save's global plan: not I/O)
     import torch

@@ -16,6 +16,7 @@ SUITES = {
     "planning": "benchmarks.bench_planning",
     "phases": "benchmarks.bench_phases",
     "storage": "benchmarks.bench_storage",
+    "save-vs-raw": "benchmarks.bench_save_vs_raw",
     "async": "benchmarks.bench_async",
     "multirank": "benchmarks.bench_multirank",
     "scale": "benchmarks.bench_scale",
