@@ -35,6 +35,7 @@ from refdcp.planning.local_plan import (
     plan_digest,
     save_items,
 )
+from tests._dedup_cases import checksums_and_options
 
 DTYPES = [torch.float32, torch.int64]
 
@@ -73,18 +74,8 @@ def near_equal_worlds(draw: st.DrawFn) -> dict[str, Any]:
             sd["step"] = rng.choice([1, "x"])
         sds.append(sd)
     plans = [save_items(sd) for sd in sds]
-    checksums: list[dict[Any, int] | None] | None = None
-    if draw(st.booleans()):
-        checksums = [
-            None if rng.random() < 0.1 else {item_key(i): rng.choice([1] * 12 + [2]) for i in p}
-            for p in plans
-        ]
     return {
-        "plans": plans,
-        "checksums": checksums,
-        "coordinator_rank": rng.randrange(world),
-        "bytes_on_coordinator": draw(st.booleans()),
-        "lowest_rank": draw(st.booleans()),
+        **checksums_and_options(draw, rng, plans, missing=0.1, values=[1] * 12 + [2]),
         "cut": draw(st.sampled_from(["content", "random", "none"])),
         "seed": rng.random(),
     }

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from refdcp.planning.dedup import dedup_items
 from refdcp.planning.dedup_reference import reference_dedup
 from refdcp.planning.local_plan import chunk_nbytes, item_key, save_items
+from tests._dedup_cases import checksums_and_options
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
@@ -40,19 +41,7 @@ def worlds(draw: st.DrawFn) -> dict[str, Any]:
         if rng.random() < 0.7:
             per_rank[r][f"own{r}"] = torch.zeros(rng.randint(0, 30))
     plans = [save_items(sd) for sd in per_rank]
-    checksums: list[dict[Any, int] | None] | None = None
-    if draw(st.booleans()):
-        checksums = [
-            None if rng.random() < 0.2 else {item_key(i): rng.choice([1, 1, 1, 2]) for i in plan}
-            for plan in plans
-        ]
-    return {
-        "plans": plans,
-        "checksums": checksums,
-        "coordinator_rank": rng.randrange(world),
-        "bytes_on_coordinator": draw(st.booleans()),
-        "lowest_rank": draw(st.booleans()),
-    }
+    return checksums_and_options(draw, rng, plans, missing=0.2, values=[1, 1, 1, 2])
 
 
 @pytest.mark.spec("DEDUP-9")

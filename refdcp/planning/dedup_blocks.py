@@ -103,15 +103,15 @@ def dedup_by_blocks(
     world = len(plans)
     items_of, unit_rep, units_by_class, cut_ends = units
     nu = len(items_of)
-    holders_of: list[list[int]] = [[] for _ in range(nu)]
+    classes_of: list[list[int]] = [[] for _ in range(nu)]  # the classes listing each unit
     for c, us in enumerate(units_by_class):
         for u in us:
-            holders_of[u].extend(members_of[c])
-    unit_members = [sorted(h) for h in holders_of]
+            classes_of[u].append(c)
+    unit_members = [sorted(r for c in cs for r in members_of[c]) for cs in classes_of]
     keys_of = [list(zip(map(_fqn, items), map(_offset, items))) for items in items_of]
     counts = Counter(chain.from_iterable(keys_of))  # units holding each key
     masks = [[counts[k] > 1 for k in keys] for keys in keys_of]
-    dups = unit_duplicates(keys_of, masks, units_by_class, members_of)
+    dups = unit_duplicates(keys_of, masks, classes_of, members_of)
     if dups:  # a plan listing a key twice: refused before any assignment (DEDUP-15)
         return DedupResult(plans=[list(p) for p in plans], problems=dups, class_reps=reps)
     # replicated keys (held by several units, or by a unit of several ranks), first seen first
@@ -153,7 +153,9 @@ def dedup_by_blocks(
         else:
             key_units = tuple(holding)
             if key_units not in union:
-                union[key_units] = sorted(set(chain.from_iterable(holders_of[u] for u in holding)))
+                union[key_units] = sorted(
+                    set(chain.from_iterable(unit_members[u] for u in holding))
+                )
             ranks = union[key_units]
             if k in suspects:
                 for u in holding:

@@ -65,24 +65,20 @@ def class_duplicates(
 def unit_duplicates(
     keys_of: Sequence[Sequence[ItemKey]],
     masks: Sequence[Sequence[bool]],
-    units_by_class: Sequence[Sequence[int]],
+    classes_of: Sequence[Sequence[int]],
     members_of: Sequence[list[int]],
 ) -> list[str]:
     """Duplicate-key problems over distinct blocks (units, DEDUP-14).
 
     A key twice in one unit is found per unit; a key in two units that one class
     lists (a class lists each unit at most once) among the keys several units hold
-    (``masks``).
+    (``masks``). ``classes_of[u]``: the classes listing unit ``u``.
     """
-    classes_of: dict[int, list[int]] = {}
-    for c, units in enumerate(units_by_class):
-        for u in units:
-            classes_of.setdefault(u, []).append(c)
     per_class: dict[int, set[ItemKey]] = {}
     seen: dict[tuple[int, ItemKey], int] = {}  # (class, key) -> the unit it came from
     for u, (keys, mask) in enumerate(zip(keys_of, masks)):
         dups = repeated_keys(keys)
-        for c in classes_of.get(u, ()):
+        for c in classes_of[u]:
             if dups:
                 per_class.setdefault(c, set()).update(dups)
             for k in compress(keys, mask):

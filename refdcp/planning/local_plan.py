@@ -343,11 +343,20 @@ _fqn_of = attrgetter("index.fqn")
 _offset_of = attrgetter("index.offset")
 
 
+def _in_place(t: torch.Tensor) -> bool:
+    """Can the tensor's element bytes be checksummed where they are (no copy)?"""
+    return t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
 def tensor_checksum(t: torch.Tensor) -> int:
     """crc32c of a tensor's element bytes in row-major order (DEDUP-6)."""
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        # the common case, read in place (raw_view does not copy; ``t`` stays alive here)
+    if _in_place(t):  # the common case (raw_view does not copy; ``t`` stays alive here)
         return int(crc32c(raw_view(t))) if t.numel() else 0
+    return _copied_checksum(t)
+
+
+def _copied_checksum(t: torch.Tensor) -> int:
+    """``tensor_checksum`` of a tensor on another device, strided, conjugated or negated."""
     t = t.detach().resolve_conj().resolve_neg().to("cpu")
     if t.numel() == 0:
         return 0
@@ -415,8 +424,8 @@ def tensor_digests(tensors: list[torch.Tensor]) -> list[int]:
     shared: list[int] = []
     views: list[memoryview] = []  # they do not keep their tensors alive: ``tensors`` does
     for i, t in enumerate(tensors):
-        if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
-            out[i] = tensor_checksum(t)  # a copy first
+        if not _in_place(t):
+            out[i] = _copied_checksum(t)
         elif t.nbytes < SHARED_DIGEST_MIN_BYTES:  # the kernel with the cheapest call
             out[i] = crc32c_small(raw_view(t)) if t.nbytes else 0
         else:

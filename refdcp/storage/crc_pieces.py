@@ -130,6 +130,11 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     return _apply(_operator(nbytes), crc) if nbytes else crc
 
 
+def _then(crc: int, value: int, n: int, piece: int) -> int:
+    """``crc32c_combine(crc, value, n)``, by table look-ups when ``n`` is the repeated ``piece`` size."""
+    return (_shift_by_tables(crc, n) if n == piece else crc32c_shift(crc, n)) ^ value
+
+
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32C of ``a + b`` from ``crc1 = crc32c(a)``, ``crc2 = crc32c(b)`` and ``len2 = len(b)``."""
     return crc32c_shift(crc1, len2) ^ crc2
@@ -308,10 +313,9 @@ class PieceCrc:
             while _TAKEN in self._state:
                 self._cond.wait()
         crc = self._start
-        last = self._count - 1
         for k, value in enumerate(self._crcs):
             n = min(self._piece, len(self._view) - k * self._piece)
-            crc = (_shift_by_tables(crc, n) if k < last else crc32c_shift(crc, n)) ^ value
+            crc = _then(crc, value, n, self._piece)
         self._view = memoryview(b"")  # nothing reads the caller's memory after this
         return crc
 
@@ -414,9 +418,7 @@ def crc32c_each(views: Sequence[memoryview]) -> list[int]:
             out.append(crcs[j])
         else:
             n = min(step, len(views[i]) - a)
-            out[i] = (_shift_by_tables(out[i], n) if n == step else crc32c_shift(out[i], n)) ^ crcs[
-                j
-            ]
+            out[i] = _then(out[i], crcs[j], n, step)
     return out
 
 
