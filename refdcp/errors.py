@@ -14,6 +14,7 @@ from here or from its package, except where noted)::
         ├── ProtocolError                               [errors_core] an order violation (PROTO-3)
         ├── ProblemsError (+ ValueError)                [errors_core] every problem at once
         │   ├── PlanValidationError                     [planning.global_metadata] (META-5)
+        │   │   └── ReplicaMismatchError                [planning.replica_late] (DEDUP-17)
         │   └── LoadPolicyError                         [planning.load_policy] (POLICY-1)
         ├── CommError                                   [errors_core] a collective failed (COMM-5)
         │   ├── CommTimeout (+ TimeoutError)

@@ -12,6 +12,7 @@ from refdcp.comm.fake import RankFailures
 from refdcp.driver.simulator import Deadlock
 from refdcp.planning.global_metadata import PlanValidationError
 from refdcp.planning.load_policy import LoadPolicyError
+from refdcp.planning.replica_late import ReplicaMismatchError
 from refdcp.staging.buffer_pool import StagingTimeoutError
 from refdcp.state.state_dict import StateDictError
 from refdcp.storage import errors as storage_errors
@@ -29,6 +30,7 @@ OWN = [
     StagingTimeoutError,
     StateDictError,
     PlanValidationError,
+    ReplicaMismatchError,
     LoadPolicyError,
     storage_errors.CorruptionError,
     storage_errors.MissingChecksumError,

@@ -72,15 +72,16 @@ def _dtensor_digests(rank: int, world: int, path: str) -> list[str]:
     names: list[str] = []
     real = local_plan.replica_checksums
 
-    def spy(flat: Any, items: Any) -> dict[Any, int]:
-        out = real(flat, items)
+    def spy(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+        out = real(flat, items, **kinds)
         names.extend(sorted({k[0] for k in out}))
         return out
 
     local_plan.replica_checksums = spy  # type: ignore[assignment]
-    from refdcp.planning import save_planner
+    from refdcp.planning import replica_late, save_planner
 
     save_planner.replica_checksums = spy  # type: ignore[assignment]
+    replica_late.replica_checksums = spy  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     sd = {
         "sharded": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]),

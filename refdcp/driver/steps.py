@@ -12,6 +12,7 @@ Planner and storage objects are any implementations of torch's ABCs
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,13 +22,20 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from refdcp.driver.commit_status import mark_finish_error
 from refdcp.errors import ProtocolError
 from refdcp.protocol.names import Slot, Step
 
-__all__ = ["LoadContext", "SaveContext", "set_up_reader", "set_up_writer", "unwrap_stateful"]
+__all__ = [
+    "LoadContext",
+    "RankResults",
+    "SaveContext",
+    "set_up_reader",
+    "set_up_writer",
+    "unwrap_stateful",
+]
 
 
 #: Exact types that are never ``Stateful``: checking them skips the runtime-protocol
@@ -87,6 +95,15 @@ def _expect_plans(plans: Any, world_size: int, who: str) -> list[Any]:
             "PROTO-6", f"{who} must return one plan per rank ({world_size}), got {n}"
         )
     return plans
+
+
+@dataclass(frozen=True)
+class RankResults:
+    """What a rank sends the coordinator once it has written (SAVE-5): its write
+    results and, when its planner deferred them, its replica digests (DEDUP-17)."""
+
+    results: list[WriteResult]
+    replica_digests: dict[Any, int] | None = None
 
 
 @dataclass
@@ -150,6 +167,9 @@ class SaveContext(_Base):
             self.planner.set_up_planner(sd, meta, self.coordinator)
         else:
             self.planner.set_up_planner(sd, self.coordinator)  # type: ignore[arg-type]
+        defer = getattr(self.planner, "defer_replica_digests", None)
+        if defer is not None:  # this driver compares them before the commit (DEDUP-17)
+            defer()
         set_up_writer(self.writer, self.coordinator, self.rank, self.use_collectives)
 
     def step_local_plan(self) -> None:
@@ -176,18 +196,35 @@ class SaveContext(_Base):
         self.slots[Slot.FINAL_PLAN] = self.planner.finish_plan(self.slots[Slot.CENTRAL_PLAN])
 
     def step_write(self) -> None:
-        """Write this rank's items and wait for the results (SAVE-5)."""
+        """Write this rank's items and wait for the results and the replica digests
+        computed meanwhile (SAVE-5, DEDUP-17)."""
         assert self.planner is not None and self.writer is not None
-        fut = self.writer.write_data(self.slots[Slot.FINAL_PLAN], self.planner)
-        fut.wait()
-        self.slots[Slot.WRITE_RESULTS] = fut.value()
+        digests = getattr(self.planner, "replica_digests_after_write", None)
+        try:
+            fut = self.writer.write_data(self.slots[Slot.FINAL_PLAN], self.planner)
+            fut.wait()
+            results = fut.value()
+        except BaseException:
+            if digests is not None:  # the worker stops reading the values before we fail
+                with contextlib.suppress(Exception):
+                    digests()
+            raise
+        sums = digests() if digests is not None else None
+        self.slots[Slot.WRITE_RESULTS] = RankResults(results, sums)
 
     def step_commit(self) -> None:
-        """Coordinator: ``StorageWriter.finish``; its return is the commit point (SAVE-6)."""
+        """Coordinator: the replica digests sent with the results are compared (DEDUP-17),
+        then ``StorageWriter.finish``, whose return is the commit point (SAVE-6)."""
         assert self.writer is not None
         metadata: Metadata = self.slots[Slot.METADATA]
+        gathered: list[RankResults] = self.slots[Slot.ALL_RESULTS]
+        sums = [g.replica_digests for g in gathered]
+        check = getattr(self.planner, "check_replicas_after_write", None)
+        if check is not None and any(s is not None for s in sums):
+            check(sums)
+        results = [g.results for g in gathered]
         try:
-            self.writer.finish(metadata=metadata, results=self.slots[Slot.ALL_RESULTS])
+            self.writer.finish(metadata=metadata, results=results)
         except BaseException as exc:
             mark_finish_error(exc)  # it may have committed before raising (SAVE-16)
             raise

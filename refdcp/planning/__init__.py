@@ -7,6 +7,7 @@ from .global_metadata import PlanValidationError
 from .load_planner import DefaultLoadPlanner
 from .load_policy import LoadPolicy, LoadPolicyError
 from .local_shards import LocalShards
+from .replica_late import ReplicaMismatchError
 from .save_planner import DefaultSavePlanner
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LoadPolicyError",
     "LocalShards",
     "PlanValidationError",
+    "ReplicaMismatchError",
     "flatten_state_dict",
     "unflatten_state_dict",
 ]

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from .dedup_duplicates import class_duplicates
 from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
 from .local_plan import Blocks, ItemKey, _signature, chunk_nbytes, plan_digest
+from .replica_late import key_place
 
 __all__ = ["DedupResult", "dedup_items"]
 
@@ -329,8 +330,7 @@ def _disagreements(
     sums: list[Mapping[Any, int] | None],
 ) -> list[str]:
     """Problems among replicas of ``key`` held by several classes (DEDUP-4, DEDUP-6)."""
-    fqn, off = key
-    where = f"{fqn!r}" + ("" if off is None else f" chunk at offsets {tuple(off)}")
+    where = key_place(key)
     by_sig: dict[Any, list[int]] = {}
     for c in cls:
         by_sig.setdefault(_signature(item_of[c][key])[2:], []).extend(members_of[c])

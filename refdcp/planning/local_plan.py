@@ -395,25 +395,33 @@ def may_be_replicated(obj: Any) -> bool:
 SHARED_DIGEST_MIN_BYTES = 64 << 10
 
 
-def replica_checksums(flat: Mapping[str, Any], items: Iterable[WriteItem]) -> dict[Any, int]:
+def replica_checksums(
+    flat: Mapping[str, Any],
+    items: Iterable[WriteItem],
+    *,
+    tensors: bool = True,
+    objects: bool = True,
+) -> dict[Any, int]:
     """Checksum of every item's value that other ranks may hold too, keyed like dedup
-    groups items (DEDUP-6, DEDUP-13)."""
+    groups items (DEDUP-6, DEDUP-13); only the tensor items' or only the objects' when
+    the other kind is digested elsewhere (DEDUP-17)."""
     out: dict[Any, int] = {}
     keys: list[Any] = []
-    tensors: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for item in items:
         obj = flat[item.index.fqn]
         if not may_be_replicated(obj):
             continue
         key = item_key(item)
         if item.type == WriteItemType.BYTE_IO:
-            out[key] = object_checksum(obj)
-        else:
+            if objects:
+                out[key] = object_checksum(obj)
+        elif tensors:
             out[key] = 0  # its place in the order; the value below
             keys.append(key)
-            tensors.append(resolve_tensor_chunk(obj, item.index))
-    if tensors:
-        out.update(zip(keys, tensor_digests(tensors)))
+            values.append(resolve_tensor_chunk(obj, item.index))
+    if values:
+        out.update(zip(keys, tensor_digests(values)))
     return out
 
 

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
+from refdcp.errors import ProtocolError
+
 from .dedup import dedup_items
 from .dedup_blocks import valid_blocks
 from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
@@ -35,6 +37,7 @@ from .local_plan import (
     save_items,
 )
 from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
+from .replica_late import DigestJob, ReplicaMismatchError, replica_value_problems
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -57,6 +60,13 @@ class DefaultSavePlanner(SavePlanner):
     (DEDUP-7); ``coordinator_rank`` is the coordinator's index in the plan list;
     ``safe_globals`` are extra types the caller allows at load, so values of
     those types pass the save-time loadability check (SAVE-12).
+
+    A driver that sends each rank's :meth:`replica_digests_after_write` with
+    its write results and hands them all to :meth:`check_replicas_after_write`
+    before the commit (refdcp's does) calls :meth:`defer_replica_digests` after
+    ``set_up_planner``: tensor replicas are then digested while the rank writes
+    (DEDUP-17). Any other driver (torch's ``dcp.save``) gets the digests in
+    the local plans, compared before anything is written (DEDUP-13).
     """
 
     def __init__(
@@ -95,6 +105,9 @@ class DefaultSavePlanner(SavePlanner):
         self._local_cache = LocalPlanCache()
         self._global_cache: GlobalPlanCache | None = None
         self._coordinator_shared: list[WriteItem] = []
+        self._late = False  # this save digests tensor replicas while writing (DEDUP-17)
+        self._late_items: list[WriteItem] | None = None
+        self._late_job: DigestJob | None = None
 
     def set_up_planner(
         self,
@@ -106,6 +119,22 @@ class DefaultSavePlanner(SavePlanner):
             self.flat = flatten_state_dict(state_dict)
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
+        self._late, self._late_items, self._late_job = False, None, None
+
+    def defer_replica_digests(self) -> None:
+        """Digest this save's tensor replicas while writing, not in the plans (DEDUP-17).
+
+        Only for a driver that then sends :meth:`replica_digests_after_write` to
+        the coordinator's :meth:`check_replicas_after_write` before the commit.
+        """
+        self._late = self.check_replicas
+
+    def _replica_sums(self, items: list[WriteItem]) -> dict[Any, int]:
+        """The digests the plan carries; tensors' are left for the write when deferred."""
+        if self._late:
+            self._late_items = items
+            return replica_checksums(self.flat.items, items, tensors=False)
+        return replica_checksums(self.flat.items, items)
 
     def check_values(self) -> None:
         """Refuse values that cannot be saved or never loaded with the defaults (SAVE-12).
@@ -129,10 +158,10 @@ class DefaultSavePlanner(SavePlanner):
             items = self._local_cache.local_items
             if self.check_replicas and deferred and self._global_cache is not None:
                 # the coordinator knows from its cache which of its items others hold
-                sums = replica_checksums(self.flat.items, self._global_cache.coordinator_shared)
+                sums = self._replica_sums(self._global_cache.coordinator_shared)
                 deferred = False
             elif self.check_replicas and not deferred:
-                sums = replica_checksums(self.flat.items, items)
+                sums = self._replica_sums(items)
             marker = {
                 "cached": self._local_cache.fingerprint_id,
                 "checksums": sums,
@@ -143,7 +172,7 @@ class DefaultSavePlanner(SavePlanner):
             return self.plan
         items = save_items(self.flat.items)
         if self.check_replicas and not deferred:
-            sums = replica_checksums(self.flat.items, items)
+            sums = self._replica_sums(items)
         data: dict[str, Any] = dict(self.flat.paths)
         # the coordinator's digests only matter beside other ranks' plans: they are computed
         # in create_global_plan when there are any (DEDUP-8); the blocks let plans that differ
@@ -222,7 +251,7 @@ class DefaultSavePlanner(SavePlanner):
         sums: list[Any] = [e.get("checksums") for e in extras]
         for r, e in enumerate(extras):
             if self.check_replicas and e.get("deferred_checksums") == self._token:
-                sums[r] = replica_checksums(self.flat.items, cache.coordinator_shared)
+                sums[r] = self._replica_sums(cache.coordinator_shared)
         return sums
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -299,6 +328,7 @@ class DefaultSavePlanner(SavePlanner):
         (me,) = mine
         if len(all_plans) == 1:  # nobody else holds anything: nothing to digest
             self._coordinator_shared = []
+            self._late_items = []
             extras[me] = {**extras[me], "checksums": {}}
             return
         my_keys = set(map(item_key, all_plans[me].items))
@@ -324,7 +354,7 @@ class DefaultSavePlanner(SavePlanner):
                     others.update(filter(my_keys.__contains__, keys))
         shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
         self._coordinator_shared = shared
-        extras[me] = {**extras[me], "checksums": replica_checksums(self.flat.items, shared)}
+        extras[me] = {**extras[me], "checksums": self._replica_sums(shared)}
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """With plan caching: an unchanged plan is the cached final plan; a new one is cached
@@ -343,7 +373,27 @@ class DefaultSavePlanner(SavePlanner):
                 else:  # a rebuilt global plan answering this rank's marker
                     cache.final_plan = new_plan
         self.plan = new_plan
+        if self._late:  # the digests overlap the write (DEDUP-17)
+            items = self._late_items
+            if items is None:  # not planned here (an overridden step): digest every item
+                items = save_items(self.flat.items)
+            self._late_job = DigestJob(self.flat.items, items)
         return new_plan
+
+    def replica_digests_after_write(self) -> dict[Any, int] | None:
+        """This rank's tensor replica digests, once computed; None unless deferred (DEDUP-17)."""
+        if not self._late:
+            return None
+        if self._late_job is None:
+            raise ProtocolError("DEDUP-17", "replica digests asked before finish_plan started them")
+        job, self._late_job = self._late_job, None
+        return job.result()
+
+    def check_replicas_after_write(self, sums: Sequence[dict[Any, int] | None]) -> None:
+        """Coordinator: fail with every key whose ranks sent different digests (DEDUP-17)."""
+        problems = replica_value_problems(sums)
+        if problems:
+            raise ReplicaMismatchError(problems)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return self.flat.items[index.fqn]

@@ -183,7 +183,7 @@ def run_trace(
         return res
     res.final_plans = [c.slots[Slot.FINAL_PLAN] for c in saves]
     res.decisions = explain_dedup(res.local_plans, res.final_plans)
-    res.writes = [list(c.slots[Slot.WRITE_RESULTS]) for c in saves]
+    res.writes = [list(c.slots[Slot.WRITE_RESULTS].results) for c in saves]
     res.metadata = sim.results[0]
     loads = [
         LoadContext(

@@ -1,0 +1,225 @@
+"""Tensor replica digests computed while the ranks write, compared before the commit (DEDUP-17)."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import refdcp
+from refdcp.comm import FakeWorld
+from refdcp.errors import CheckpointError
+from refdcp.planning import DefaultSavePlanner, ReplicaMismatchError, replica_late
+from refdcp.planning.flatten import RESERVED_KEY
+from refdcp.planning.replica_late import replica_value_problems
+from refdcp.testing.spawn import run_gloo
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+class PlanRecorder(DefaultSavePlanner):
+    """Keeps the replica checksums its local plans carried."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.plan_sums: list[Any] = []
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        self.plan_sums.append(plan.planner_data[RESERVED_KEY]["checksums"])
+        return plan
+
+
+def _disagreeing(comm: Any) -> dict[str, Any]:
+    return {"w": torch.full((64,), float(comm.rank == 2)), "b": torch.ones(3), "step": 1}
+
+
+@pytest.mark.spec("DEDUP-17", "SAVE-7")
+def test_disagreeing_replicas_fail_every_rank_before_the_commit(tmp_path: Any) -> None:
+    def rank(comm: Any) -> tuple[str, list[str], bool | None]:
+        with pytest.raises(CheckpointError) as err:
+            refdcp.save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
+        causes = [type(f.exception).__name__ for f in err.value.rank_failures.values()]
+        return str(err.value), causes, err.value.committed
+
+    for msg, causes, committed in FakeWorld(3).run(rank):
+        assert "replicas differ in value" in msg and "'w'" in msg
+        assert "ranks [0, 1] hold checksum" in msg and "ranks [2] hold checksum" in msg
+        assert "'b'" not in msg  # equal replicas are not named
+        assert causes == ["ReplicaMismatchError"] and committed is False
+    assert not (tmp_path / ".metadata").exists()
+    assert not list(tmp_path.glob("*.distcp"))  # the save's files were removed (STORE-31)
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_refdcp_driver_keeps_tensor_digests_out_of_the_local_plans(tmp_path: Any) -> None:
+    def rank(comm: Any) -> Any:
+        planner = PlanRecorder()
+        refdcp.save(
+            {"w": torch.ones(8), "step": 3}, checkpoint_id=tmp_path, comm=comm, planner=planner
+        )
+        return planner.plan_sums
+
+    coordinator, other = FakeWorld(2).run(rank)
+    assert coordinator == [None]  # the coordinator digests in the global plan (DEDUP-13)
+    assert list(other[0]) == [("step", None)]  # objects only: the tensor's digest comes later
+
+
+def _torch_driven(rank: int, world: int, path: str) -> tuple[list[Any], str]:
+    import torch.distributed.checkpoint as dcp
+
+    planner = PlanRecorder()
+    sd = {"w": torch.full((8,), float(rank)), "step": 3}
+    try:
+        dcp.save(sd, checkpoint_id=path, planner=planner)
+        msg = ""
+    except BaseException as exc:  # torch's CheckpointException is not an Exception
+        msg = str(exc)
+    import os
+
+    files = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return [sorted(map(str, s)) if s else s for s in planner.plan_sums] + [files], msg
+
+
+@pytest.mark.spec("DEDUP-17", "DEDUP-13")
+def test_torch_driven_saves_compare_tensor_digests_before_writing() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        (r0, m0), (r1, m1) = run_gloo(2, _torch_driven, f"{d}/ckpt", timeout=150)
+    assert r1[0] == sorted(map(str, [("step", None), ("w", torch.Size([0]))]))
+    assert all("differ in value" in m and "'w'" in m for m in (m0, m1))
+    assert not [f for f in r0[-1] if f.endswith(".distcp")]  # nothing written
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_digests_run_on_a_worker_while_the_rank_writes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = threading.Semaphore(0)
+    threads: list[str] = []
+    real = replica_late.replica_checksums
+
+    def spy(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+        threads.append(threading.current_thread().name)
+        started.release()
+        return real(flat, items, **kinds)
+
+    monkeypatch.setattr(replica_late, "replica_checksums", spy)
+    seen_during_write: list[bool] = []
+
+    def rank(comm: Any) -> None:
+        writer = refdcp.FileSystemWriter(tmp_path)
+        real_write = writer.write_data
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            # the worker started before the write: this rank's digests overlap its write
+            seen_during_write.append(started.acquire(timeout=10))
+            return real_write(plan, planner)
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+        sd = {"w": torch.ones(1000), f"own{comm.rank}": torch.ones(10)}
+        refdcp.save(sd, storage_writer=writer, comm=comm)
+
+    FakeWorld(2).run(rank)
+    assert seen_during_write == [True, True]
+    assert threads == ["refdcp-replica-digests"] * 2
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_a_failing_digest_worker_fails_the_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+        raise OSError("the digest kernel failed")
+
+    monkeypatch.setattr(replica_late, "replica_checksums", broken)
+
+    def rank(comm: Any) -> str:
+        with pytest.raises(CheckpointError) as err:
+            refdcp.save({"w": torch.ones(8)}, checkpoint_id=tmp_path, comm=comm)
+        return str(err.value)
+
+    for msg in FakeWorld(2).run(rank):
+        assert "computing replica digests failed" in msg and "digest kernel failed" in msg
+    assert not (tmp_path / ".metadata").exists()
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_a_failed_write_waits_for_the_digest_worker(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    finished: list[float] = []
+    real = replica_late.replica_checksums
+
+    def slow(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+        time.sleep(0.3)
+        out = real(flat, items, **kinds)
+        finished.append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(replica_late, "replica_checksums", slow)
+
+    def rank(comm: Any) -> float:
+        writer = refdcp.FileSystemWriter(tmp_path)
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            raise OSError("disk gone")
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+        with pytest.raises(CheckpointError, match="disk gone"):
+            refdcp.save({"w": torch.ones(8)}, storage_writer=writer, comm=comm)
+        return time.monotonic()
+
+    failed_at = FakeWorld(2).run(rank)
+    assert len(finished) == 2 and max(finished) <= min(failed_at)
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_async_save_reports_disagreeing_replicas(tmp_path: Any) -> None:
+    def rank(comm: Any) -> str:
+        handle = refdcp.async_save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
+        with pytest.raises(CheckpointError) as err:
+            handle.result()
+        return str(err.value)
+
+    for msg in FakeWorld(3).run(rank):
+        assert "replicas differ in value" in msg and "'w'" in msg
+    assert not (tmp_path / ".metadata").exists()
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_opting_out_digests_nothing_after_the_write(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(replica_late, "replica_checksums", lambda *a, **k: calls.append(1) or {})
+
+    def rank(comm: Any) -> None:
+        planner = DefaultSavePlanner(check_replicas=False)
+        refdcp.save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm, planner=planner)
+
+    FakeWorld(3).run(rank)
+    assert calls == [] and (tmp_path / ".metadata").exists()
+
+
+@pytest.mark.spec("DEDUP-17", "DEDUP-6")
+def test_problems_name_each_key_once_in_key_order() -> None:
+    a, b0, b4 = ("a", None), ("b", torch.Size([0])), ("b", torch.Size([4]))
+    sums: list[Any] = [{b4: 1, a: 2, b0: 5}, None, {a: 2, b4: 3, b0: 5}, {b4: 3}, {}]
+    problems = replica_value_problems(sums)
+    assert problems == [
+        "replicas of 'b' chunk at offsets (4,) differ in value between ranks: "
+        "ranks [0] hold checksum 0x00000001; ranks [2, 3] hold checksum 0x00000003"
+    ]
+    assert replica_value_problems([{a: 1}, {a: 1}, None]) == []
+    two = replica_value_problems([{b4: 1, a: 1}, {a: 2, b4: 2}])
+    assert [p.split(" differ")[0] for p in two] == [
+        "replicas of 'a'",
+        "replicas of 'b' chunk at offsets (4,)",
+    ]
+    err = ReplicaMismatchError(problems)
+    assert isinstance(err, refdcp.planning.PlanValidationError) and "replicas differ" in str(err)
