@@ -12,21 +12,24 @@ import torch
 import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
-from refdcp.planning import local_plan
+from refdcp.planning import local_plan, replica_late
 from refdcp.testing.spawn import run_gloo
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def _count_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the tensors digested, in the plans and after them (DEDUP-13, DEDUP-17)."""
     seen: list[int] = []
-    real = local_plan.tensor_digests
+    real = local_plan.replica_tensors
 
-    def counting(tensors: list[torch.Tensor]) -> list[int]:
+    def counting(*args: Any, **kw: Any) -> Any:
+        keys, tensors, seeds = real(*args, **kw)
         seen.extend(t.numel() for t in tensors)
-        return real(tensors)
+        return keys, tensors, seeds
 
-    monkeypatch.setattr(local_plan, "tensor_digests", counting)
+    monkeypatch.setattr(local_plan, "replica_tensors", counting)
+    monkeypatch.setattr(replica_late, "replica_tensors", counting)
     return seen
 
 
@@ -37,8 +40,8 @@ def test_a_single_rank_save_digests_nothing(tmp_path: Any, monkeypatch: pytest.M
     assert seen == []
 
 
-@pytest.mark.spec("DEDUP-13")
-def test_coordinator_digests_only_what_others_hold(
+@pytest.mark.spec("DEDUP-13", "DEDUP-17")
+def test_a_rank_digests_only_replicas_it_does_not_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = _count_digests(monkeypatch)
@@ -46,6 +49,29 @@ def test_coordinator_digests_only_what_others_hold(
     def rank(comm: Any) -> None:
         sd = {"shared": torch.ones(7), f"own{comm.rank}": torch.ones(100 + comm.rank)}
         refdcp.save(sd, checkpoint_id=tmp_path, comm=comm)
+
+    FakeWorld(2).run(rank)
+    # "shared" goes to rank 0 (fewer bytes of its own): rank 1 digests it while writing;
+    # what a rank writes is digested by its writer on the way (DEDUP-17)
+    assert sorted(seen) == [7]
+
+
+class _EarlyDigests(refdcp.DefaultSavePlanner):
+    """Digests in the local plans, as when torch's ``dcp.save`` drives the planner."""
+
+    def defer_replica_digests(self) -> None:
+        pass
+
+
+@pytest.mark.spec("DEDUP-13")
+def test_plan_digests_cover_what_others_may_hold(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = _count_digests(monkeypatch)
+
+    def rank(comm: Any) -> None:
+        sd = {"shared": torch.ones(7), f"own{comm.rank}": torch.ones(100 + comm.rank)}
+        refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, planner=_EarlyDigests())
 
     FakeWorld(2).run(rank)
     # rank 1 digests both its items (it cannot know which are shared); rank 0 only "shared"
@@ -65,34 +91,34 @@ def test_coordinator_alone_disagreeing_is_reported(tmp_path: Any) -> None:
     assert not (tmp_path / ".metadata").exists()
 
 
-def _dtensor_digests(rank: int, world: int, path: str) -> list[str]:
+def _dtensor_digests(rank: int, world: int, path: str, early: bool) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     names: list[str] = []
-    real = local_plan.replica_checksums
+    real = local_plan.replica_tensors
 
-    def spy(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
-        out = real(flat, items, **kinds)
-        names.extend(sorted({k[0] for k in out}))
-        return out
+    def spy(*args: Any, **kw: Any) -> Any:
+        keys, tensors, seeds = real(*args, **kw)
+        names.extend(sorted({k[0] for k in keys}))
+        return keys, tensors, seeds
 
-    local_plan.replica_checksums = spy  # type: ignore[assignment]
-    from refdcp.planning import replica_late, save_planner
-
-    save_planner.replica_checksums = spy  # type: ignore[assignment]
-    replica_late.replica_checksums = spy  # type: ignore[assignment]
+    local_plan.replica_tensors = spy  # type: ignore[assignment]
+    replica_late.replica_tensors = spy  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     sd = {
         "sharded": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]),
         "replicated": distribute_tensor(torch.arange(4.0), mesh, [Replicate()]),
     }
-    refdcp.save(sd, checkpoint_id=path)
+    refdcp.save(sd, checkpoint_id=path, planner=_EarlyDigests() if early else None)
     return names
 
 
 @pytest.mark.spec("DEDUP-13")
 def test_dtensor_shards_held_by_one_rank_are_not_digested() -> None:
     with tempfile.TemporaryDirectory() as d:
-        got = run_gloo(2, _dtensor_digests, f"{d}/ckpt", timeout=150)
-    assert got == [["replicated"], ["replicated"]]
+        early = run_gloo(2, _dtensor_digests, f"{d}/a", True, timeout=150)
+        late = run_gloo(2, _dtensor_digests, f"{d}/b", False, timeout=150)
+    assert early == [["replicated"], ["replicated"]]
+    # DEDUP-17: rank 0 writes "replicated" and gets its digest from the writer
+    assert late == [[], ["replicated"]]

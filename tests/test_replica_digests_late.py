@@ -101,14 +101,14 @@ def test_digests_run_on_a_worker_while_the_rank_writes(
 ) -> None:
     started = threading.Semaphore(0)
     threads: list[str] = []
-    real = replica_late.replica_checksums
+    real = replica_late.replica_tensors
 
-    def spy(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+    def spy(*args: Any, **kw: Any) -> Any:
         threads.append(threading.current_thread().name)
         started.release()
-        return real(flat, items, **kinds)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(replica_late, "replica_checksums", spy)
+    monkeypatch.setattr(replica_late, "replica_tensors", spy)
     seen_during_write: list[bool] = []
 
     def rank(comm: Any) -> None:
@@ -121,7 +121,8 @@ def test_digests_run_on_a_worker_while_the_rank_writes(
             return real_write(plan, planner)
 
         writer.write_data = write_data  # type: ignore[method-assign]
-        sd = {"w": torch.ones(1000), f"own{comm.rank}": torch.ones(10)}
+        # dedup gives "a" to rank 0 and "b" to rank 1: each digests the one it does not write
+        sd = {"a": torch.ones(1000), "b": torch.ones(1000), f"own{comm.rank}": torch.ones(10)}
         refdcp.save(sd, storage_writer=writer, comm=comm)
 
     FakeWorld(2).run(rank)
@@ -133,10 +134,10 @@ def test_digests_run_on_a_worker_while_the_rank_writes(
 def test_a_failing_digest_worker_fails_the_save(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+    def broken(*args: Any, **kw: Any) -> Any:
         raise OSError("the digest kernel failed")
 
-    monkeypatch.setattr(replica_late, "replica_checksums", broken)
+    monkeypatch.setattr(replica_late, "replica_tensors", broken)
 
     def rank(comm: Any) -> str:
         with pytest.raises(CheckpointError) as err:
@@ -153,15 +154,15 @@ def test_a_failed_write_waits_for_the_digest_worker(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     finished: list[float] = []
-    real = replica_late.replica_checksums
+    real = replica_late.replica_tensors
 
-    def slow(flat: Any, items: Any, **kinds: bool) -> dict[Any, int]:
+    def slow(*args: Any, **kw: Any) -> Any:
         time.sleep(0.3)
-        out = real(flat, items, **kinds)
+        out = real(*args, **kw)
         finished.append(time.monotonic())
         return out
 
-    monkeypatch.setattr(replica_late, "replica_checksums", slow)
+    monkeypatch.setattr(replica_late, "replica_tensors", slow)
 
     def rank(comm: Any) -> float:
         writer = refdcp.FileSystemWriter(tmp_path)
@@ -171,7 +172,7 @@ def test_a_failed_write_waits_for_the_digest_worker(
 
         writer.write_data = write_data  # type: ignore[method-assign]
         with pytest.raises(CheckpointError, match="disk gone"):
-            refdcp.save({"w": torch.ones(8)}, storage_writer=writer, comm=comm)
+            refdcp.save({"a": torch.ones(8), "b": torch.ones(8)}, storage_writer=writer, comm=comm)
         return time.monotonic()
 
     failed_at = FakeWorld(2).run(rank)
@@ -196,7 +197,7 @@ def test_opting_out_digests_nothing_after_the_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(replica_late, "replica_checksums", lambda *a, **k: calls.append(1) or {})
+    monkeypatch.setattr(replica_late, "replica_tensors", lambda *a, **k: calls.append(1) or {})
 
     def rank(comm: Any) -> None:
         planner = DefaultSavePlanner(check_replicas=False)
@@ -223,3 +224,120 @@ def test_problems_name_each_key_once_in_key_order() -> None:
     ]
     err = ReplicaMismatchError(problems)
     assert isinstance(err, refdcp.planning.PlanValidationError) and "replicas differ" in str(err)
+
+
+def _value_digest(t: torch.Tensor) -> int:
+    from refdcp.planning.local_plan import object_write_items, replica_checksums
+
+    (item,) = object_write_items("x", t)
+    (value,) = replica_checksums({"x": t}, [item], framed=True).values()
+    return value
+
+
+SIZES = {  # the writer's paths: small parts, inline frame, by the writer in pieces (>= 8 MiB)
+    "4 KiB": (1024,),
+    "2 MiB": (512 * 1024,),
+    "9 MiB": (9 * 256 * 1024 + 3,),
+}
+
+
+@pytest.mark.spec("DEDUP-17", "STORE-52")
+@pytest.mark.parametrize("size", list(SIZES), ids=list(SIZES))
+@pytest.mark.parametrize("storage", ["filesystem", "memory"])
+def test_writers_record_the_value_digest_the_planner_computes(
+    tmp_path: Any, size: str, storage: str
+) -> None:
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from refdcp.storage.records import VALUE_CRC_ATTR, value_crc_of
+
+    values = {
+        "plain": torch.randn(SIZES[size]),
+        "strided": torch.randn(SIZES[size][0], 2)[:, 0],
+        "empty": torch.zeros(0, 3),
+    }
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(values, is_coordinator=True)
+    plan = planner.create_local_plan()
+    if storage == "filesystem":
+        writer: Any = refdcp.FileSystemWriter(tmp_path)
+    else:
+        writer = refdcp.MemoryStorage().writer("m")
+    writer.set_up_storage_writer(True)
+    (final,) = writer.prepare_global_plan([writer.prepare_local_plan(SavePlan(plan.items))])
+    results = writer.write_data(final, planner).value()
+    got = {r.index.fqn: value_crc_of(r) for r in results}
+    assert got == {k: _value_digest(v) for k, v in values.items()}
+    assert not any(hasattr(r.storage_data, VALUE_CRC_ATTR) for r in results)  # not stored
+    # the digest is the CRC-32C of the values continued from the frame's head CRC
+    plain = values["plain"]
+    seed = refdcp.storage.items.value_digest_seed(plain)
+    from refdcp.storage.crc import crc32c
+
+    assert got["plain"] == crc32c(plain.numpy().tobytes(), seed)
+
+
+@pytest.mark.spec("DEDUP-17")
+@pytest.mark.parametrize("writer_kind", ["refdcp", "torch"])
+@pytest.mark.parametrize("odd_rank", [0, 1])
+def test_the_writers_own_value_is_compared_too(
+    tmp_path: Any, writer_kind: str, odd_rank: int
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    def rank(comm: Any) -> str:
+        big = torch.full((3 * 1024 * 1024,), 1.0)  # 12 MiB: written in pieces by refdcp
+        if comm.rank == odd_rank:
+            big[-1] = 2.0
+        sd = {"big": big, "small": torch.ones(4)}
+        writer = (
+            refdcp.FileSystemWriter(tmp_path)
+            if writer_kind == "refdcp"
+            else dcp.FileSystemWriter(tmp_path)
+        )
+        with pytest.raises(CheckpointError) as err:
+            refdcp.save(sd, storage_writer=writer, comm=comm)
+        return str(err.value)
+
+    for msg in FakeWorld(2).run(rank):
+        assert "replicas differ in value" in msg and "'big'" in msg and "'small'" not in msg
+        assert f"ranks [{odd_rank}] hold checksum" in msg
+    assert not (tmp_path / ".metadata").exists()
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_a_writer_recording_no_digest_gets_them_computed_after_its_write(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from refdcp.planning import local_plan
+
+    seen: list[int] = []
+    real = local_plan.replica_tensors
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        keys, tensors, seeds = real(*args, **kw)
+        seen.extend(t.numel() for t in tensors)
+        return keys, tensors, seeds
+
+    monkeypatch.setattr(local_plan, "replica_tensors", counting)
+    monkeypatch.setattr(replica_late, "replica_tensors", counting)
+
+    def rank(comm: Any) -> None:
+        sd = {"a": torch.ones(100), "b": torch.ones(100), f"own{comm.rank}": torch.ones(3)}
+        refdcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), comm=comm)
+
+    FakeWorld(2).run(rank)
+    # each rank: the replica it does not write (worker), then what it wrote (after the
+    # write); the coordinator only among the items others hold (DEDUP-13)
+    assert sorted(seen) == [3, 100, 100, 100, 100]
+    seen.clear()
+    refdcp_path = tmp_path / "refdcp"
+
+    def rank2(comm: Any) -> None:
+        sd = {"a": torch.ones(100), "b": torch.ones(100), f"own{comm.rank}": torch.ones(3)}
+        refdcp.save(sd, checkpoint_id=refdcp_path, comm=comm)
+
+    FakeWorld(2).run(rank2)
+    assert sorted(seen) == [100, 100]  # refdcp's writer records the rest on the way

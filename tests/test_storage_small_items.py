@@ -41,10 +41,11 @@ def _bytes(parts: list[object]) -> bytes:
 def test_small_parts_equal_encode_tensor(t: torch.Tensor) -> None:
     small = small_tensor_parts(t)
     assert small is not None
-    head, data, tail, length, crc, data_offset = small
+    head, data, tail, length, crc, data_offset, value = small
     enc = encode_tensor(t)
     assert _bytes([head, data, tail]) == _bytes(enc.parts)
     assert (length, crc, data_offset) == (enc.length, enc.final_crc(), enc.data_offset)
+    assert value == enc.value_crc  # the same value digest on both paths (STORE-52)
 
 
 @pytest.mark.spec("SAVE-10")

@@ -207,9 +207,9 @@ class SaveContext(_Base):
         except BaseException:
             if digests is not None:  # the worker stops reading the values before we fail
                 with contextlib.suppress(Exception):
-                    digests()
+                    digests(None)
             raise
-        sums = digests() if digests is not None else None
+        sums = digests(results) if digests is not None else None
         self.slots[Slot.WRITE_RESULTS] = RankResults(results, sums)
 
     def step_commit(self) -> None:

@@ -9,7 +9,7 @@ import hashlib
 import math
 import pickle
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import filterfalse
 from operator import attrgetter
 from typing import Any
@@ -25,8 +25,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from refdcp.storage.crc import crc32c, crc32c_small
-from refdcp.storage.crc_pieces import crc32c_each
-from refdcp.storage.items import raw_view
+from refdcp.storage.crc_pieces import (
+    EACH_SHARE_MIN_BYTES,
+    HELPER_PIECE_BYTES,
+    TwoEnds,
+    crc32c_pieces,
+    helpers_if_cpu_free,
+)
+from refdcp.storage.items import raw_view, value_digest_seed
 from refdcp.storage.records import fields_are
 
 __all__ = [
@@ -355,14 +361,14 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return _copied_checksum(t)
 
 
-def _copied_checksum(t: torch.Tensor) -> int:
+def _copied_checksum(t: torch.Tensor, seed: int = 0) -> int:
     """``tensor_checksum`` of a tensor on another device, strided, conjugated or negated."""
     t = t.detach().resolve_conj().resolve_neg().to("cpu")
     if t.numel() == 0:
-        return 0
+        return seed
     if not t.is_contiguous():  # a contiguous tensor is checksummed in place, without a copy
         t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
-    return int(crc32c(t.reshape(-1).view(torch.uint8).numpy().data))
+    return int(crc32c(t.reshape(-1).view(torch.uint8).numpy().data, seed))
 
 
 def _canonical(obj: Any) -> Any:
@@ -401,47 +407,119 @@ def replica_checksums(
     *,
     tensors: bool = True,
     objects: bool = True,
+    framed: bool = False,
 ) -> dict[Any, int]:
     """Checksum of every item's value that other ranks may hold too, keyed like dedup
     groups items (DEDUP-6, DEDUP-13); only the tensor items' or only the objects' when
-    the other kind is digested elsewhere (DEDUP-17)."""
+    the other kind is digested elsewhere; with ``framed``, tensors' value digests continue
+    from their frame's head CRC, as the writer computes them on the way (DEDUP-17)."""
     out: dict[Any, int] = {}
-    keys: list[Any] = []
-    values: list[torch.Tensor] = []
+    tensor_items: list[WriteItem] = []
     for item in items:
         obj = flat[item.index.fqn]
         if not may_be_replicated(obj):
             continue
-        key = item_key(item)
         if item.type == WriteItemType.BYTE_IO:
             if objects:
-                out[key] = object_checksum(obj)
+                out[item_key(item)] = object_checksum(obj)
         elif tensors:
-            out[key] = 0  # its place in the order; the value below
-            keys.append(key)
-            values.append(resolve_tensor_chunk(obj, item.index))
+            out[item_key(item)] = 0  # its place in the order; the value below
+            tensor_items.append(item)
+    keys, values, seeds = replica_tensors(flat, tensor_items, framed)
     if values:
-        out.update(zip(keys, tensor_digests(values)))
+        out.update(zip(keys, tensor_digests(values, seeds)))
     return out
 
 
-def tensor_digests(tensors: list[torch.Tensor]) -> list[int]:
-    """``tensor_checksum`` of each tensor; the plain ones of at least 64 KiB together, with a
-    helper thread when a CPU is free (DEDUP-16)."""
-    out = [0] * len(tensors)
-    shared: list[int] = []
-    views: list[memoryview] = []  # they do not keep their tensors alive: ``tensors`` does
+def replica_tensors(
+    flat: Mapping[str, Any], items: Iterable[WriteItem], framed: bool = False
+) -> tuple[list[Any], list[torch.Tensor], list[int]]:
+    """The keys, chunks and digest seeds of the tensor items other ranks may hold too
+    (DEDUP-13); with ``framed`` the seeds are the value digests' (DEDUP-17), else 0."""
+    keys: list[Any] = []
+    values: list[torch.Tensor] = []
+    for item in items:
+        if item.type != WriteItemType.BYTE_IO:
+            obj = flat[item.index.fqn]
+            if may_be_replicated(obj):
+                keys.append(item_key(item))
+                values.append(resolve_tensor_chunk(obj, item.index))
+    seeds = list(map(value_digest_seed, values)) if framed else [0] * len(values)
+    return keys, values, seeds
+
+
+#: small in-place tensors are checksummed in batches of at most this many (or 4 MiB)
+SMALL_BATCH = 512
+
+
+def digest_units(
+    tensors: list[torch.Tensor], seeds: list[int]
+) -> tuple[list[Callable[[], None]], Callable[[], list[int]], int]:
+    """Units of work computing ``tensor_checksum`` of each tensor continued from its seed,
+    the function returning the digests once every unit has run, and how many bytes the
+    units of plain tensors of at least 64 KiB hold (DEDUP-16, DEDUP-17).
+
+    A unit is a tensor to copy first, a batch of small in-place tensors, or a piece of
+    at most 4 MiB of a larger one (the pieces combined exactly, INTEG-11); the views do
+    not keep their tensors alive: ``tensors`` does.
+    """
+    out = list(seeds)
+    units: list[Callable[[], None]] = []
+    views: list[memoryview] = []
+    large: list[int] = []
+    batch: list[int] = []
+    batch_bytes = 0
+
+    def copied(i: int) -> Callable[[], None]:
+        def run() -> None:
+            out[i] = _copied_checksum(tensors[i], seeds[i])
+
+        return run
+
+    def small(idx: list[int]) -> Callable[[], None]:
+        def run() -> None:
+            for i in idx:
+                t = tensors[i]
+                out[i] = crc32c_small(raw_view(t), seeds[i]) if t.nbytes else seeds[i]
+
+        return run
+
     for i, t in enumerate(tensors):
         if not _in_place(t):
-            out[i] = _copied_checksum(t)
+            units.append(copied(i))
         elif t.nbytes < SHARED_DIGEST_MIN_BYTES:  # the kernel with the cheapest call
-            out[i] = crc32c_small(raw_view(t)) if t.nbytes else 0
+            batch.append(i)
+            batch_bytes += t.nbytes
+            if len(batch) >= SMALL_BATCH or batch_bytes >= HELPER_PIECE_BYTES:
+                units.append(small(batch))
+                batch, batch_bytes = [], 0
         else:
-            shared.append(i)
+            large.append(i)
             views.append(raw_view(t))
-    for i, value in zip(shared, crc32c_each(views) if views else ()):
-        out[i] = value
-    return out
+    if batch:
+        units.append(small(batch))
+    pieces, combine = crc32c_pieces(views, [seeds[i] for i in large])
+    units.extend(pieces)
+
+    def result() -> list[int]:
+        for i, value in zip(large, combine()):
+            out[i] = value
+        return out
+
+    return units, result, sum(map(len, views))
+
+
+def tensor_digests(tensors: list[torch.Tensor], seeds: list[int] | None = None) -> list[int]:
+    """``tensor_checksum`` of each tensor (continued from ``seeds[i]``, default 0), shared
+    with a helper thread when a CPU is free and the plain tensors of at least 64 KiB hold
+    16 MiB or more (DEDUP-16)."""
+    units, result, shared = digest_units(tensors, seeds or [0] * len(tensors))
+    work = TwoEnds(units)
+    helpers = helpers_if_cpu_free() if shared >= EACH_SHARE_MIN_BYTES else None
+    if helpers is not None:
+        helpers.submit(work.help)
+    work.finish()
+    return result()
 
 
 def resolve_tensor_chunk(obj: Any, index: MetadataIndex) -> torch.Tensor:

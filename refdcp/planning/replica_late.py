@@ -11,16 +11,21 @@ is committed, like any other failure (SAVE-7, STORE-31).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress
 from operator import ne
 from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
+from refdcp.storage.crc_pieces import TwoEnds
+
 from .global_metadata import PlanValidationError
-from .local_plan import replica_checksums
+from .local_plan import digest_units, replica_tensors
 
 __all__ = ["DigestJob", "ReplicaMismatchError", "key_place", "replica_value_problems"]
 
@@ -65,33 +70,69 @@ def replica_value_problems(sums: Sequence[Mapping[Any, int] | None]) -> list[str
     return problems
 
 
-class DigestJob:
-    """The tensor replica digests of ``items`` (DEDUP-13), computed on a worker thread.
+def _lower_priority() -> None:
+    """This thread only, to the lowest CPU priority (Linux; elsewhere nothing) (DEDUP-17)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
-    :meth:`result` waits for them and re-raises the worker's error, so a digest
-    that failed fails the save instead of being skipped.
+
+class DigestJob:
+    """The value digests of the tensor ``items`` (DEDUP-17), computed while the rank writes.
+
+    A worker thread resolves the items, then takes units of work (pieces of large
+    tensors, batches of small ones) from the front at the lowest CPU priority, so it
+    uses the CPU time the write leaves idle instead of slowing it; :meth:`result`,
+    called once the rank has written, takes the rest from the back on the rank's own
+    thread, so a starved worker delays nothing, and re-raises the worker's error.
     """
 
     def __init__(self, flat: Mapping[str, Any], items: Iterable[WriteItem]) -> None:
-        self._sums: dict[Any, int] = {}
+        self._keys: list[Any] = []
+        self._work: TwoEnds | None = None
+        self._combine: Callable[[], list[int]] | None = None
         self._error: BaseException | None = None
+        self._ready = threading.Event()
         items = list(items)
         self._thread: threading.Thread | None = None
-        if items:
-            self._thread = threading.Thread(
-                target=self._run, args=(flat, items), name="refdcp-replica-digests", daemon=True
-            )
-            self._thread.start()
+        if not items:
+            self._ready.set()
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(flat, items), name="refdcp-replica-digests", daemon=True
+        )
+        self._thread.start()
 
     def _run(self, flat: Mapping[str, Any], items: list[WriteItem]) -> None:
         try:
-            self._sums = replica_checksums(flat, items, objects=False)
+            keys, tensors, seeds = replica_tensors(flat, items, framed=True)
+            units, combine, _ = digest_units(tensors, seeds)
+            self._keys, self._combine, self._work = keys, combine, TwoEnds(units)
         except BaseException as exc:  # handed to result(), on the rank's own thread
             self._error = exc
+            return
+        finally:
+            self._ready.set()
+        _lower_priority()
+        self._work.help()
+
+    def _fail(self, exc: BaseException) -> RuntimeError:
+        return RuntimeError(f"computing replica digests failed: {exc}")
 
     def result(self) -> dict[Any, int]:
-        if self._thread is not None:
-            self._thread.join()
+        self._ready.wait()
         if self._error is not None:
-            raise RuntimeError(f"computing replica digests failed: {self._error}") from self._error
-        return self._sums
+            raise self._fail(self._error) from self._error
+        if self._work is None or self._combine is None:
+            return {}
+        try:
+            self._work.finish()
+        except BaseException as exc:
+            raise self._fail(exc) from exc
+        return dict(zip(self._keys, self._combine()))
+
+    def stop(self) -> None:
+        """Take no more units; return once the worker has stopped reading the values."""
+        self._ready.wait()
+        if self._work is not None:
+            self._work.stop()

@@ -20,8 +20,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from refdcp.errors import ProtocolError
+from refdcp.storage.records import value_crc_of
 
 from .dedup import dedup_items
 from .dedup_blocks import valid_blocks
@@ -31,6 +33,7 @@ from .loadable import refuse_unloadable
 from .local_plan import (
     chunkless_tensors,
     item_key,
+    may_be_replicated,
     plan_and_block_digests,
     replica_checksums,
     resolve_tensor_chunk,
@@ -108,6 +111,7 @@ class DefaultSavePlanner(SavePlanner):
         self._late = False  # this save digests tensor replicas while writing (DEDUP-17)
         self._late_items: list[WriteItem] | None = None
         self._late_job: DigestJob | None = None
+        self._late_written: list[WriteItem] = []  # digested by the writer on the way
 
     def set_up_planner(
         self,
@@ -120,6 +124,7 @@ class DefaultSavePlanner(SavePlanner):
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
         self._late, self._late_items, self._late_job = False, None, None
+        self._late_written = []
 
     def defer_replica_digests(self) -> None:
         """Digest this save's tensor replicas while writing, not in the plans (DEDUP-17).
@@ -373,21 +378,55 @@ class DefaultSavePlanner(SavePlanner):
                 else:  # a rebuilt global plan answering this rank's marker
                     cache.final_plan = new_plan
         self.plan = new_plan
-        if self._late:  # the digests overlap the write (DEDUP-17)
-            items = self._late_items
-            if items is None:  # not planned here (an overridden step): digest every item
-                items = save_items(self.flat.items)
-            self._late_job = DigestJob(self.flat.items, items)
+        if self._late:
+            self._start_late_digests(new_plan)
         return new_plan
 
-    def replica_digests_after_write(self) -> dict[Any, int] | None:
-        """This rank's tensor replica digests, once computed; None unless deferred (DEDUP-17)."""
+    def _start_late_digests(self, final: SavePlan) -> None:
+        """The worker digests the replicas this rank holds but does not write; the writer
+        digests the others on the way (DEDUP-17)."""
+        flat = self.flat.items
+        items = self._late_items
+        if items is None:  # not planned here (an overridden step): digest every item
+            items = save_items(flat)
+        late = [
+            i
+            for i in items
+            if i.type != WriteItemType.BYTE_IO and may_be_replicated(flat[i.index.fqn])
+        ]
+        writes = set(map(_key, final.items))
+        self._late_written = [i for i in late if _key(i) in writes]
+        others = [i for i in late if _key(i) not in writes] if self._late_written else late
+        self._late_job = DigestJob(flat, others)
+
+    def replica_digests_after_write(
+        self, results: Sequence[WriteResult] | None
+    ) -> dict[Any, int] | None:
+        """This rank's tensor value digests, keyed like dedup keys items; None unless
+        deferred (DEDUP-17). Those of the items it wrote come from ``results`` where the
+        writer recorded them (refdcp's do), else are computed now. ``results=None`` (the
+        write failed) only waits for the worker to stop reading the values."""
         if not self._late:
             return None
         if self._late_job is None:
             raise ProtocolError("DEDUP-17", "replica digests asked before finish_plan started them")
         job, self._late_job = self._late_job, None
-        return job.result()
+        if results is None:
+            job.stop()
+            return None
+        sums = job.result()
+        if self._late_written:
+            recorded = {(r.index.fqn, r.index.offset): value_crc_of(r) for r in results}
+            missing = []
+            for item in self._late_written:
+                value = recorded.get(_key(item))
+                if value is None:
+                    missing.append(item)
+                else:
+                    sums[_key(item)] = value
+            if missing:
+                sums.update(replica_checksums(self.flat.items, missing, objects=False, framed=True))
+        return sums
 
     def check_replicas_after_write(self, sums: Sequence[dict[Any, int] | None]) -> None:
         """Coordinator: fail with every key whose ranks sent different digests (DEDUP-17)."""
@@ -426,6 +465,7 @@ def _gc_paused() -> Iterator[None]:
 
 _fqn = attrgetter("index.fqn")
 _offset = attrgetter("index.offset")
+_key = attrgetter("index.fqn", "index.offset")  # item_key, in C
 
 
 def _extras(plan: SavePlan) -> dict[str, Any]:

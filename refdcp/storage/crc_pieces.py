@@ -28,7 +28,9 @@ __all__ = [
     "INLINE_PIECE_BYTES",
     "PieceCrc",
     "crc32c_combine",
+    "TwoEnds",
     "crc32c_each",
+    "crc32c_pieces",
     "crc32c_shift",
     "helpers_if_cpu_free",
     "idle_cpus",
@@ -351,12 +353,102 @@ def write_checksummed(write: Callable[[memoryview], None], data: memoryview, crc
     return pieces.result()
 
 
+class TwoEnds:
+    """Units of work taken by a helper from the front and by their owner from the back,
+    until the ends meet (DEDUP-16, DEDUP-17).
+
+    ``help()`` runs on the helper thread; the owner calls ``finish()`` exactly once
+    (also when the helper never started), which computes what is left, waits for
+    the unit the helper is on (it must not outlive the memory it reads) and
+    re-raises the helper's error; ``stop()`` only lets the helper take nothing more
+    and waits for its unit.
+    """
+
+    def __init__(self, units: Sequence[Callable[[], None]]) -> None:
+        self._units = units
+        self._ends = [0, len(units)]  # the helper's next unit; one past the owner's next
+        self._busy = 0  # units the helper is computing now (0 or 1)
+        self._failed: list[BaseException] = []
+        self._cond = threading.Condition(threading.Lock())
+
+    def help(self) -> None:
+        cond, ends = self._cond, self._ends
+        while True:
+            with cond:
+                if ends[0] >= ends[1]:
+                    return
+                j = ends[0]
+                ends[0] += 1
+                self._busy += 1
+            try:
+                self._units[j]()
+            except BaseException as exc:  # reported by the owner's thread
+                self._failed.append(exc)
+                with cond:
+                    ends[1] = ends[0]
+            finally:
+                with cond:
+                    self._busy -= 1
+                    cond.notify_all()
+
+    def finish(self) -> None:
+        cond, ends = self._cond, self._ends
+        try:
+            while True:
+                with cond:
+                    if ends[0] >= ends[1]:
+                        break
+                    ends[1] -= 1
+                    j = ends[1]
+                self._units[j]()
+        finally:
+            self.stop()
+        if self._failed:
+            raise self._failed[0]
+
+    def stop(self) -> None:
+        with self._cond:
+            self._ends[1] = self._ends[0]  # the helper takes nothing more
+            while self._busy:
+                self._cond.wait()
+
+
 #: below this many bytes in all, ``crc32c_each`` does not wake a helper thread
 EACH_SHARE_MIN_BYTES = 16 << 20
 
 
-def crc32c_each(views: Sequence[memoryview]) -> list[int]:
-    """The CRC-32C of each buffer, shared with a helper thread when a CPU is free (DEDUP-16).
+def crc32c_pieces(
+    views: Sequence[memoryview], seeds: Sequence[int]
+) -> tuple[list[Callable[[], None]], Callable[[], list[int]]]:
+    """Units computing each buffer's CRC-32C (continued from its seed) in pieces of at most
+    4 MiB, and the function combining the pieces exactly once all have run (INTEG-11)."""
+    step = HELPER_PIECE_BYTES
+    jobs = [(i, a) for i, v in enumerate(views) for a in range(0, max(len(v), 1), step)]
+    crcs = [0] * len(jobs)
+
+    def unit(j: int) -> Callable[[], None]:
+        i, a = jobs[j]
+
+        def compute() -> None:
+            crcs[j] = crc32c(views[i][a : a + step], seeds[i] if a == 0 else 0)
+
+        return compute
+
+    def combine() -> list[int]:
+        out: list[int] = []
+        for j, (i, a) in enumerate(jobs):
+            if a == 0:
+                out.append(crcs[j])
+            else:
+                out[i] = _then(out[i], crcs[j], min(step, len(views[i]) - a), step)
+        return out
+
+    return [unit(j) for j in range(len(jobs))], combine
+
+
+def crc32c_each(views: Sequence[memoryview], seeds: Sequence[int] | None = None) -> list[int]:
+    """The CRC-32C of each buffer (continued from ``seeds[i]``, default 0), shared with a
+    helper thread when a CPU is free (DEDUP-16, DEDUP-17).
 
     The buffers are cut into pieces of at most 4 MiB; the helper takes pieces
     from the front while this thread takes them from the back, until they meet;
@@ -364,62 +456,15 @@ def crc32c_each(views: Sequence[memoryview]) -> list[int]:
     that never starts (its pool busy) costs nothing: this thread then computes
     every piece and waits only for a piece the helper is on.
     """
+    start = list(seeds) if seeds is not None else [0] * len(views)
     helpers = helpers_if_cpu_free() if sum(map(len, views)) >= EACH_SHARE_MIN_BYTES else None
     if helpers is None:
-        return [crc32c(v) for v in views]
-    step = HELPER_PIECE_BYTES
-    jobs = [(i, a) for i, v in enumerate(views) for a in range(0, max(len(v), 1), step)]
-    crcs = [0] * len(jobs)
-    cond = threading.Condition(threading.Lock())
-    ends = [0, len(jobs)]  # the helper's next piece; one past this thread's next piece
-    busy: list[int] = []  # pieces the helper is computing now
-    failed: list[BaseException] = []
-
-    def compute(j: int) -> None:
-        i, a = jobs[j]
-        crcs[j] = crc32c(views[i][a : a + step])
-
-    def helper() -> None:
-        while True:
-            with cond:
-                if ends[0] >= ends[1]:
-                    return
-                j = ends[0]
-                ends[0] += 1
-                busy.append(j)
-            try:
-                compute(j)
-            except BaseException as exc:  # reported by the caller's thread
-                failed.append(exc)
-            finally:
-                with cond:
-                    busy.remove(j)
-                    cond.notify_all()
-
-    helpers.submit(helper)
-    try:
-        while True:
-            with cond:
-                if ends[0] >= ends[1]:
-                    break
-                ends[1] -= 1
-                j = ends[1]
-            compute(j)
-    finally:
-        with cond:
-            ends[1] = ends[0]  # the helper takes nothing more
-            while busy:  # it must not outlive the memory it reads
-                cond.wait()
-    if failed:
-        raise failed[0]
-    out: list[int] = []
-    for j, (i, a) in enumerate(jobs):
-        if a == 0:
-            out.append(crcs[j])
-        else:
-            n = min(step, len(views[i]) - a)
-            out[i] = _then(out[i], crcs[j], n, step)
-    return out
+        return [crc32c(v, s) for v, s in zip(views, start)]
+    units, combine = crc32c_pieces(views, start)
+    work = TwoEnds(units)
+    helpers.submit(work.help)
+    work.finish()
+    return combine()
 
 
 _shift_by_tables(0, HELPER_PIECE_BYTES)  # at import (~2 ms): a fresh process's first load skips it

@@ -172,7 +172,7 @@ class _FileOut:
         self.flush()
         crc = write_checksummed(lambda piece: self._write_all([piece]), data, enc.head_crc)
         self.position += len(data)
-        enc.crc, enc.head_crc = crc32c(tail, crc), None
+        enc.crc, enc.head_crc, enc.value_crc = crc32c(tail, crc), None, crc  # DEDUP-17
         self.write([tail])
 
     def flush(self) -> None:
@@ -420,11 +420,11 @@ class FileSystemWriter(_AtPath, StorageWriter):
                         raise RefdcpError(f"{item.index.fqn}: tensor item resolved to {type(data)}")
                     small = small_tensor_parts(data)
                     if small is not None:  # the same bytes as encode_tensor, fewer objects
-                        head, raw, tail, length, crc, data_offset = small
+                        head, raw, tail, length, crc, data_offset, value = small
                         offset = out.position
                         out.write_small(head, raw, tail, length, data)
                         info = storage_info(name, offset, length, crc, data_offset)
-                        append(write_result(item.index, length, info))
+                        append(write_result(item.index, length, info, value))
                         continue
                     enc = encode_tensor(data, by_writer=True)
                 if enc.data_offset is not None and enc.length >= INPLACE_MIN_BYTES:
@@ -435,7 +435,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
                 else:
                     out.write(enc.parts, enc)
                 info = make_storage_info(name, offset, enc)
-                append(write_result(item.index, enc.length, info))
+                append(write_result(item.index, enc.length, info, enc.value_crc))
             out.flush()
             if self.sync_files:
                 os.fsync(fd)

@@ -36,6 +36,7 @@ __all__ = [
     "ChunkIndex",
     "checksum_of",
     "data_offset_of",
+    "value_digest_seed",
     "encode_bytes",
     "encode_tensor",
     "load_tensor_from_blob",
@@ -61,16 +62,20 @@ class Encoded:
     crc: int
     data_offset: int | None
     keepalive: Any = None
-    crc_future: Future[int] | None = None
+    #: (the CRC, the value digest or None), computed on a helper thread
+    crc_future: Future[tuple[int, int | None]] | None = None
     #: the CRC of ``parts[0]`` when the writer computes the rest piece by piece as it writes
     #: ``parts[1]`` (``encode_tensor(..., by_writer=True)``, STORE-51); None once it has
     head_crc: int | None = None
+    #: a framed tensor's value digest: the CRC over ``parts[0] + parts[1]`` (the frame's
+    #: head and the raw values), known with ``crc`` (DEDUP-17); None for other items
+    value_crc: int | None = None
 
     def final_crc(self) -> int:
         if self.head_crc is not None:
             raise RuntimeError("the writer has not computed this item's CRC-32C yet (STORE-51)")
         if self.crc_future is not None:
-            self.crc = self.crc_future.result()
+            self.crc, self.value_crc = self.crc_future.result()
             self.crc_future = None
         return self.crc
 
@@ -122,8 +127,18 @@ def raw_view(t: torch.Tensor) -> memoryview:
     return memoryview(ctype.from_address(t.data_ptr())).cast("B")
 
 
-def _crc_tail(head_crc: int, data: memoryview, tail: bytes) -> int:
-    return int(crc32c.crc32c(tail, crc32c.crc32c(data, head_crc)))
+def _crc_and_value(head_crc: int, data: memoryview, tail: bytes) -> tuple[int, int | None]:
+    """(the item's CRC, the value digest): one pass over the data (DEDUP-17)."""
+    value = int(crc32c.crc32c(data, head_crc))
+    return int(crc32c.crc32c(tail, value)), value
+
+
+def value_digest_seed(t: torch.Tensor) -> int:
+    """What a tensor's value digest is continued from: the CRC of the head of the frame
+    ``encode_tensor`` stores it in, else 0 (DEDUP-17). Equal dtype and shape, equal seed."""
+    if t.layout != torch.strided or t.is_quantized:
+        return 0
+    return frame_for(t.dtype, tuple(t.shape)).head_crc
 
 
 def encode_tensor(tensor: torch.Tensor, by_writer: bool = False) -> Encoded:
@@ -146,10 +161,10 @@ def encode_tensor(tensor: torch.Tensor, by_writer: bool = False) -> Encoded:
     if len(data) >= _ASYNC_CRC_BYTES and by_writer:
         return Encoded([head, data, tail], length, 0, len(head), t, head_crc=frame.head_crc)
     if len(data) >= _ASYNC_CRC_BYTES:
-        fut = _crc_pool().submit(_crc_tail, frame.head_crc, data, tail)
+        fut = _crc_pool().submit(_crc_and_value, frame.head_crc, data, tail)
         return Encoded([head, data, tail], length, 0, len(head), t, fut)
-    crc = _crc_tail(frame.head_crc, data, tail)
-    return Encoded([head, data, tail], length, crc, len(head), t)
+    crc, value = _crc_and_value(frame.head_crc, data, tail)
+    return Encoded([head, data, tail], length, crc, len(head), t, value_crc=value)
 
 
 def _crc_parts(parts: Sequence[Any]) -> int:
@@ -157,6 +172,10 @@ def _crc_parts(parts: Sequence[Any]) -> int:
     for part in parts:
         crc = crc32c.crc32c(part, crc)
     return int(crc)
+
+
+def _crc_parts_only(parts: Sequence[Any]) -> tuple[int, int | None]:
+    return _crc_parts(parts), None
 
 
 def _encode_with_torch_pickle(t: torch.Tensor) -> Encoded:
@@ -169,7 +188,7 @@ def _encode_with_torch_pickle(t: torch.Tensor) -> Encoded:
     framed = frame_records(t)
     keep = (t, framed.keepalive)
     if framed.length >= _ASYNC_CRC_BYTES:
-        fut = _crc_pool().submit(_crc_parts, framed.parts)
+        fut = _crc_pool().submit(_crc_parts_only, framed.parts)
         return Encoded(framed.parts, framed.length, 0, None, keep, fut)
     return Encoded(framed.parts, framed.length, _crc_parts(framed.parts), None, keep)
 

@@ -45,6 +45,7 @@ from refdcp.storage.items import (
     make_storage_info,
     verify_blob,
 )
+from refdcp.storage.records import write_result
 from refdcp.storage.safe_metadata import dump_metadata, finalize_metadata, load_metadata
 
 __all__ = ["MemoryReader", "MemoryStorage", "MemoryWriter"]
@@ -186,9 +187,7 @@ class MemoryWriter(StorageWriter):
                 parts.extend(bytes(p) for p in enc.parts)
                 info = make_storage_info(name, position, enc)
                 position += enc.length
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=enc.length, storage_data=info)
-                )
+                results.append(write_result(item.index, enc.length, info, enc.value_crc))
         self.storage._stage(self.checkpoint_id, name, b"".join(parts))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -69,10 +69,29 @@ def storage_info(
     return info
 
 
-def write_result(index: MetadataIndex, size_in_bytes: int, data: Any) -> WriteResult:
-    """``WriteResult(index=..., size_in_bytes=..., storage_data=...)``."""
+#: The attribute of a ``WriteResult`` (never of the stored ``_StorageInfo``) holding the
+#: tensor's value digest the writer computed on the way (DEDUP-17).
+VALUE_CRC_ATTR = "refdcp_value_crc32c"
+
+
+def write_result(
+    index: MetadataIndex, size_in_bytes: int, data: Any, value_crc: int | None = None
+) -> WriteResult:
+    """``WriteResult(index=..., size_in_bytes=..., storage_data=...)``, carrying ``value_crc``."""
     if not FAST:
-        return WriteResult(index=index, size_in_bytes=size_in_bytes, storage_data=data)
+        result = WriteResult(index=index, size_in_bytes=size_in_bytes, storage_data=data)
+        if value_crc is not None:
+            _set(result, VALUE_CRC_ATTR, value_crc)
+        return result
     result = _new(WriteResult)
-    _set(result, "__dict__", {"index": index, "size_in_bytes": size_in_bytes, "storage_data": data})
+    state = {"index": index, "size_in_bytes": size_in_bytes, "storage_data": data}
+    if value_crc is not None:
+        state[VALUE_CRC_ATTR] = value_crc
+    _set(result, "__dict__", state)
     return result
+
+
+def value_crc_of(result: WriteResult) -> int | None:
+    """The value digest a refdcp writer recorded on ``result``, or None (DEDUP-17)."""
+    value = getattr(result, VALUE_CRC_ATTR, None)
+    return value if isinstance(value, int) else None

@@ -33,11 +33,12 @@ SMALL_MAX_BYTES = 1 << 20
 _FRAMES: dict[tuple[torch.dtype, torch.Size], tuple[bytes, bytes, int, int, int]] = {}
 _BUFFER_TYPES: dict[int, Any] = {}
 
-SmallParts = tuple[bytes, Any, bytes, int, int, int]
+SmallParts = tuple[bytes, Any, bytes, int, int, int, int]
 
 
 def small_tensor_parts(t: torch.Tensor) -> SmallParts | None:
-    """``(head, data, tail, length, crc, data_offset)`` for a small plain tensor, else None.
+    """``(head, data, tail, length, crc, data_offset, value_crc)`` for a small plain tensor,
+    else None; ``value_crc`` is the CRC over head and data (the value digest, DEDUP-17).
 
     ``data`` is a ctypes view of ``t``'s memory: keep ``t`` alive until it is written.
     """
@@ -62,5 +63,5 @@ def small_tensor_parts(t: torch.Tensor) -> SmallParts | None:
             _BUFFER_TYPES.clear()
         _BUFFER_TYPES[n] = buffer_type
     data = buffer_type.from_address(t.data_ptr())
-    crc = crc32c.crc32c(tail, crc32c.crc32c(data, head_crc))
-    return head, data, tail, head_len + n + tail_len, crc, head_len
+    value = crc32c.crc32c(data, head_crc)
+    return head, data, tail, head_len + n + tail_len, crc32c.crc32c(tail, value), head_len, value
