@@ -341,3 +341,23 @@ def test_a_writer_recording_no_digest_gets_them_computed_after_its_write(
 
     FakeWorld(2).run(rank2)
     assert sorted(seen) == [100, 100]  # refdcp's writer records the rest on the way
+
+
+class _Doubling(DefaultSavePlanner):
+    """Writes each tensor doubled: what it writes is not the value the ranks hold."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        return data * 2 if isinstance(data, torch.Tensor) else data
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_a_planner_writing_other_data_digests_its_values_itself(tmp_path: Any) -> None:
+    def rank(comm: Any) -> None:
+        sd = {"a": torch.ones(300_000), "b": torch.ones(300_000)}  # 1.2 MB: recorded by writers
+        refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, planner=_Doubling())
+
+    FakeWorld(2).run(rank)  # equal replicas: no false disagreement
+    out = {"a": torch.zeros(300_000), "b": torch.zeros(300_000)}
+    refdcp.load(out, checkpoint_id=tmp_path, no_dist=True)
+    assert out["a"].eq(2).all() and out["b"].eq(2).all()
