@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import refdcp
 from refdcp.comm import FakeWorld
@@ -361,3 +363,61 @@ def test_a_planner_writing_other_data_digests_its_values_itself(tmp_path: Any) -
     out = {"a": torch.zeros(300_000), "b": torch.zeros(300_000)}
     refdcp.load(out, checkpoint_id=tmp_path, no_dist=True)
     assert out["a"].eq(2).all() and out["b"].eq(2).all()
+
+
+class _EarlyDigests(DefaultSavePlanner):
+    """Digests in the local plans, compared in the global plan (DEDUP-13, torch's driver)."""
+
+    def defer_replica_digests(self) -> None:
+        pass
+
+
+def _named_keys(message: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"replicas of '([^']+)'", message))
+
+
+@pytest.mark.spec("DEDUP-17", "DEDUP-13")
+@given(data=st.data())
+def test_late_and_early_checks_name_the_same_keys(data: st.DataObject) -> None:
+    world = data.draw(st.integers(2, 4), label="world")
+    keys = data.draw(st.integers(1, 5), label="keys")
+    layout = []
+    for k in range(keys):
+        holders = data.draw(st.sets(st.integers(0, world - 1), min_size=1), label=f"holders{k}")
+        numel = data.draw(st.sampled_from([0, 3, 5000, 300_000]), label=f"numel{k}")
+        dtype = data.draw(st.sampled_from([torch.float32, torch.int64]), label=f"dtype{k}")
+        variant = {r: data.draw(st.integers(0, 1), label=f"v{k}.{r}") for r in sorted(holders)}
+        layout.append((f"k{k}", numel, dtype, variant))
+    steps = {r: data.draw(st.integers(0, 1), label=f"step{r}") for r in range(world)}
+    expected = {name for name, numel, _, v in layout if numel and len(set(v.values())) > 1}
+    if len(set(steps.values())) > 1:
+        expected.add("step")
+
+    def state(rank: int) -> dict[str, Any]:
+        sd: dict[str, Any] = {"step": steps[rank]}
+        for name, numel, dtype, variant in layout:
+            if rank in variant:
+                sd[name] = torch.full((numel,), variant[rank] + 1, dtype=dtype)
+        return sd
+
+    storage = refdcp.MemoryStorage()
+    named: dict[str, set[str] | None] = {}
+    for mode, make in (("late", DefaultSavePlanner), ("early", _EarlyDigests)):
+
+        def rank(comm: Any, make: Any = make, mode: str = mode) -> str:
+            try:
+                refdcp.save(
+                    state(comm.rank), storage_writer=storage.writer(mode), planner=make(), comm=comm
+                )
+            except CheckpointError as err:
+                return str(err)
+            return ""
+
+        msgs = FakeWorld(world).run(rank)
+        assert len(set(msgs)) == 1  # every rank raises the same error, or none does
+        named[mode] = _named_keys(msgs[0]) if msgs[0] else None
+    # a plan that fails (the "step" objects disagree) fails before the tensors are compared
+    late = {"step"} if "step" in expected else expected
+    assert named == {"late": late or None, "early": expected or None}
