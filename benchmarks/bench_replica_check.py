@@ -21,7 +21,9 @@ and the median of per-trial pairs). The order of the three modes rotates from
 trial to trial, so each runs first, second and third equally often (a trial's
 first save runs on memory the previous trial's last one freed). The two ranks share the 2 cores and the disk
 of the benchmark VM, so a digest competes with the other rank's write: a
-pessimistic setting for the overlap.
+pessimistic setting for the overlap. First, the coordinator's own cost: comparing
+the digests of 128 ranks before the commit, with and without the groups equal
+plans send (``RankDigests.group``).
 
     .venv/bin/python -m benchmarks.bench_replica_check [--trials 7] [--only large|medium] [--dir /dev/shm]
 """
@@ -100,6 +102,32 @@ def _rank(rank: int, world: int, names: list[str], trials: int, base: str) -> li
     return rows
 
 
+def _coordinator_compare(ranks: int, shared: int, own: int, grouped: bool) -> float:
+    """Seconds the coordinator takes to compare the digests ``ranks`` ranks send: each
+    holds ``shared`` replicated tensors and ``own`` of its own (DEDUP-17). With ``grouped``
+    the non-coordinator ranks' plans are equal, so they send one group."""
+    import random
+
+    import torch
+
+    from refdcp.planning.replica_late import RankDigests, group_of, replica_problems
+
+    values = [random.getrandbits(32) for _ in range(shared)]
+    digests = []
+    for r in range(ranks):
+        keys = [(f"layer{i}.weight", torch.Size([0])) for i in range(shared)]
+        sums = dict(zip(keys, values))
+        sums.update({(f"own{r}.{i}", torch.Size([0])): r for i in range(own)})
+        group = group_of(b"plan", sums) if grouped and r else None
+        digests.append(RankDigests(sums, group))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        assert replica_problems(digests) == []
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=7)
@@ -108,6 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = parser.parse_known_args(argv)
     from refdcp.testing.spawn import run_gloo
 
+    print("coordinator's compare before the commit (best of 3):")
+    for ranks, shared, own, grouped, what in (
+        (128, 20_000, 0, True, "replicated 128 ranks x 20,000 (equal plans: one group)"),
+        (128, 20_000, 0, False, "same, no groups (every rank screened)"),
+        (128, 2_000, 1, False, "mixed 128 ranks x 2,000+1 (plans differ)"),
+    ):
+        print(f"  {what:56} {_coordinator_compare(ranks, shared, own, grouped) * 1e3:7.1f} ms")
     names = [n for n in WORKLOADS if args.only is None or args.only in n] or list(WORKLOADS)
     base = tempfile.mkdtemp(prefix="refdcp-bench-replica-", dir=args.dir)
     print(f"load average before: {os.getloadavg()[0]:.2f}; 2 Gloo ranks; {args.trials} trials")

@@ -421,3 +421,64 @@ def test_late_and_early_checks_name_the_same_keys(data: st.DataObject) -> None:
     # a plan that fails (the "step" objects disagree) fails before the tensors are compared
     late = {"step"} if "step" in expected else expected
     assert named == {"late": late or None, "early": expected or None}
+
+
+class _Capturing(DefaultSavePlanner):
+    """Keeps what it sends the coordinator after writing."""
+
+    sent: list[Any]
+
+    def replica_digests_after_write(self, results: Any) -> Any:
+        out = super().replica_digests_after_write(results)
+        self.sent = [out]
+        return out
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_ranks_with_equal_plans_and_values_send_one_group(tmp_path: Any) -> None:
+    def rank(comm: Any) -> Any:
+        planner = _Capturing()
+        sd = {"a": torch.ones(50), "b": torch.full((70,), float(comm.rank == 3)), "step": 1}
+        with pytest.raises(CheckpointError) as err:
+            refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, planner=planner)
+        return planner.sent[0], str(err.value)
+
+    out = FakeWorld(4).run(rank)
+    (d0, msg), (d1, _), (d2, _), (d3, _) = out
+    assert d0.group is None  # the coordinator's keys are those others hold: not a plan's
+    assert d1.group == d2.group is not None and d3.group not in (None, d1.group)
+    assert list(d1.sums) == [("a", torch.Size([0])), ("b", torch.Size([0]))]  # items' order
+    assert "ranks [0, 1, 2] hold checksum" in msg and "ranks [3] hold checksum" in msg
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_a_repeated_group_is_screened_once_and_still_named() -> None:
+    from refdcp.planning.replica_late import RankDigests, replica_problems
+
+    a, b = ("a", None), ("b", None)
+    same = {a: 1, b: 2}
+    digests: list[Any] = [
+        RankDigests({a: 1, b: 3}),  # the coordinator: no group
+        RankDigests(dict(same), b"g"),
+        RankDigests(dict(same), b"g"),  # equal to rank 1's: not screened again
+        None,
+    ]
+    assert replica_problems(digests) == [
+        "replicas of 'b' differ in value between ranks: "
+        "ranks [0] hold checksum 0x00000003; ranks [1, 2] hold checksum 0x00000002"
+    ]
+    screened: list[Any] = []
+    from refdcp.planning import replica_late
+
+    real = replica_late.replica_value_problems
+
+    def spy(sums: Any, screen: Any = None) -> Any:
+        screened.append(list(screen))
+        return real(sums, screen)
+
+    replica_late.replica_value_problems = spy  # type: ignore[assignment]
+    try:
+        replica_problems(digests)
+    finally:
+        replica_late.replica_value_problems = real  # type: ignore[assignment]
+    assert screened == [[True, True, False, True]]

@@ -103,7 +103,7 @@ class RankResults:
     results and, when its planner deferred them, its replica digests (DEDUP-17)."""
 
     results: list[WriteResult]
-    replica_digests: dict[Any, int] | None = None
+    replica_digests: Any = None  # what the planner's replica_digests_after_write returned
 
 
 @dataclass

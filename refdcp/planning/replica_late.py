@@ -12,10 +12,13 @@ is committed, like any other failure (SAVE-7, STORE-31).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import threading
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import compress
 from operator import ne
 from typing import Any
@@ -27,7 +30,15 @@ from refdcp.storage.crc_pieces import TwoEnds
 from .global_metadata import PlanValidationError
 from .local_plan import digest_units, replica_tensors
 
-__all__ = ["DigestJob", "ReplicaMismatchError", "key_place", "replica_value_problems"]
+__all__ = [
+    "DigestJob",
+    "RankDigests",
+    "ReplicaMismatchError",
+    "group_of",
+    "key_place",
+    "replica_problems",
+    "replica_value_problems",
+]
 
 
 class ReplicaMismatchError(PlanValidationError):
@@ -46,17 +57,49 @@ def _order(key: Any) -> tuple[str, tuple[int, ...]]:
     return key[0], tuple(key[1] or ())
 
 
-def replica_value_problems(sums: Sequence[Mapping[Any, int] | None]) -> list[str]:
+@dataclass(frozen=True)
+class RankDigests:
+    """One rank's value digests (DEDUP-17), keyed like dedup keys items, in its items'
+    order; ``group`` names the dict exactly: ranks whose local plans are identical and
+    whose digests are equal send the same ``group`` (None: not comparable that way)."""
+
+    sums: dict[Any, int]
+    group: bytes | None = None
+
+
+def group_of(structure: bytes, sums: Mapping[Any, int]) -> bytes:
+    """``RankDigests.group`` of digests whose keys and order ``structure`` names (DEDUP-17)."""
+    values = array("I", sums.values()).tobytes()
+    return hashlib.blake2b(structure + values, digest_size=16).digest()
+
+
+def replica_problems(digests: Sequence[RankDigests | None]) -> list[str]:
+    """:func:`replica_value_problems` of every rank's digests; a rank whose ``group`` an
+    earlier rank sent holds the same dict, so only the first of each group is screened."""
+    seen: set[bytes] = set()
+    screen = [True] * len(digests)
+    for r, d in enumerate(digests):
+        if d is not None and d.group is not None:
+            screen[r] = d.group not in seen
+            seen.add(d.group)
+    return replica_value_problems([d.sums if d else None for d in digests], screen)
+
+
+def replica_value_problems(
+    sums: Sequence[Mapping[Any, int] | None], screen: Sequence[bool] | None = None
+) -> list[str]:
     """One problem per key whose ranks sent different digests, in key order (DEDUP-17).
 
     ``sums[r]`` is rank r's digests (None: it sent none). Every digest is
     compared with the first one of its key through ``dict.setdefault`` mapped
-    over whole dicts, so agreeing replicas cost no Python-level work per item.
+    over whole dicts, so agreeing replicas cost no Python-level work per item;
+    ranks with ``screen[r]`` False hold a dict equal to a screened one's and are
+    only named in the problems.
     """
     first: dict[Any, int] = {}
     suspects: set[Any] = set()
-    for s in sums:
-        if s:
+    for r, s in enumerate(sums):
+        if s and (screen is None or screen[r]):
             keys, values = list(s), list(s.values())
             suspects.update(compress(keys, map(ne, map(first.setdefault, keys, values), values)))
     problems: list[str] = []

@@ -40,7 +40,13 @@ from .local_plan import (
     save_items,
 )
 from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
-from .replica_late import DigestJob, ReplicaMismatchError, replica_value_problems
+from .replica_late import (
+    DigestJob,
+    RankDigests,
+    ReplicaMismatchError,
+    group_of,
+    replica_problems,
+)
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -112,6 +118,9 @@ class DefaultSavePlanner(SavePlanner):
         self._late_items: list[WriteItem] | None = None
         self._late_job: DigestJob | None = None
         self._late_written: list[WriteItem] = []  # digested by the writer on the way
+        self._late_keys: list[Any] = []  # every digested key, in the items' order
+        self._late_structure: bytes | None = None  # names those keys (RankDigests.group)
+        self._plan_digest: str | None = None  # this rank's last full local plan's (PLAN-15)
 
     def set_up_planner(
         self,
@@ -124,7 +133,7 @@ class DefaultSavePlanner(SavePlanner):
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
         self._late, self._late_items, self._late_job = False, None, None
-        self._late_written = []
+        self._late_written, self._late_keys, self._late_structure = [], [], None
 
     def defer_replica_digests(self) -> None:
         """Digest this save's tensor replicas while writing, not in the plans (DEDUP-17).
@@ -185,6 +194,7 @@ class DefaultSavePlanner(SavePlanner):
         digest, blocks = (
             (None, None) if self.is_coordinator else plan_and_block_digests(items, sums)
         )
+        self._plan_digest = digest
         data[RESERVED_KEY] = {
             **encode_structure(self.flat),
             "digest": digest,
@@ -389,11 +399,18 @@ class DefaultSavePlanner(SavePlanner):
         items = self._late_items
         if items is None:  # not planned here (an overridden step): digest every item
             items = save_items(flat)
-        late = [
-            i
-            for i in items
-            if i.type != WriteItemType.BYTE_IO and may_be_replicated(flat[i.index.fqn])
-        ]
+        late: list[WriteItem] = []
+        skipped: list[int] = []  # positions of tensor items no other rank can hold
+        for pos, i in enumerate(items):
+            if i.type != WriteItemType.BYTE_IO:
+                if may_be_replicated(flat[i.index.fqn]):
+                    late.append(i)
+                else:
+                    skipped.append(pos)
+        self._late_keys = list(map(_key, late))
+        # equal local plans (digest) and equal skipped positions: equal keys in equal order
+        if not self.is_coordinator and self._plan_digest is not None:
+            self._late_structure = f"{self._plan_digest}{skipped}".encode()
         # a subclass resolving other data than its state dict's values writes something
         # else than what the other ranks digest: then every item is digested here
         writes = set(map(_key, final.items)) if self._writes_its_values() else set()
@@ -410,7 +427,7 @@ class DefaultSavePlanner(SavePlanner):
 
     def replica_digests_after_write(
         self, results: Sequence[WriteResult] | None
-    ) -> dict[Any, int] | None:
+    ) -> RankDigests | None:
         """This rank's tensor value digests, keyed like dedup keys items; None unless
         deferred (DEDUP-17). Those of the items it wrote come from ``results`` where the
         writer recorded them (refdcp's do), else are computed now. ``results=None`` (the
@@ -435,11 +452,13 @@ class DefaultSavePlanner(SavePlanner):
                     sums[_key(item)] = value
             if missing:
                 sums.update(replica_checksums(self.flat.items, missing, objects=False, framed=True))
-        return sums
+        ordered = dict(zip(self._late_keys, map(sums.__getitem__, self._late_keys)))
+        structure = self._late_structure
+        return RankDigests(ordered, group_of(structure, ordered) if structure else None)
 
-    def check_replicas_after_write(self, sums: Sequence[dict[Any, int] | None]) -> None:
+    def check_replicas_after_write(self, digests: Sequence[RankDigests | None]) -> None:
         """Coordinator: fail with every key whose ranks sent different digests (DEDUP-17)."""
-        problems = replica_value_problems(sums)
+        problems = replica_problems(digests)
         if problems:
             raise ReplicaMismatchError(problems)
 
