@@ -27,7 +27,10 @@ LOAD-10) against refdcp with both opted out (``check_replicas=False``,
 defaults' extra time in % of the opted-out time (medians). A one-rank save is
 the coordinator, which digests only items other ranks also hold (none), so the
 digests a non-coordinator rank would compute for the same state (every plain
-tensor) are timed separately after each save and reported as % of the save.
+tensor) in its local plan are timed separately after each save and reported as
+% of the save: what they cost when torch's ``dcp.save`` drives refdcp's planner
+(DEDUP-13). Under refdcp's own driver they overlap the write (DEDUP-17); their
+cost there is measured on two real ranks by ``benchmarks/bench_replica_check.py``.
 """
 
 from __future__ import annotations
