@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 import threading
 import time
@@ -151,20 +153,67 @@ def test_a_failing_digest_worker_fails_the_save(
     assert not (tmp_path / ".metadata").exists()
 
 
+def _slow_units(monkeypatch: pytest.MonkeyPatch, log: list[tuple[str, float, int]]) -> None:
+    """Each unit of digest work sleeps, then records its thread, end time and CPU priority."""
+    real = replica_late.digest_units
+
+    def slow(tensors: Any, seeds: Any) -> Any:
+        units, result, shared = real(tensors, seeds)
+
+        def wrap(unit: Any) -> Any:
+            def run() -> None:
+                time.sleep(0.05)
+                unit()
+                nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+                log.append((threading.current_thread().name, time.monotonic(), nice))
+
+            return run
+
+        return [wrap(u) for u in units], result, shared
+
+    monkeypatch.setattr(replica_late, "digest_units", slow)
+
+
 @pytest.mark.spec("DEDUP-17")
 def test_a_failed_write_waits_for_the_digest_worker(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    finished: list[float] = []
+    log: list[tuple[str, float, int]] = []
+    _slow_units(monkeypatch, log)
+
+    def rank(comm: Any) -> float:
+        writer = refdcp.FileSystemWriter(tmp_path)
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            time.sleep(0.02)  # the worker is inside a unit
+            raise OSError("disk gone")
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+        sd = {f"t{i}": torch.ones(8) for i in range(40)}  # batches of small tensors
+        sd.update({f"big{i}": torch.ones(300_000) for i in range(6)})  # one unit each
+        with pytest.raises(CheckpointError, match="disk gone"):
+            refdcp.save(sd, storage_writer=writer, comm=comm)
+        return time.monotonic()
+
+    failed_at = FakeWorld(2).run(rank)
+    assert log  # a unit was running when the write failed
+    assert max(end for _, end, _ in log) <= min(failed_at)
+    assert len(log) < 8  # the rest was never computed: the failed save stopped the worker
+
+
+@pytest.mark.spec("DEDUP-17")
+def test_a_write_failing_before_the_worker_is_ready_still_stops_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[tuple[str, float, int]] = []
+    _slow_units(monkeypatch, log)
     real = replica_late.replica_tensors
 
-    def slow(*args: Any, **kw: Any) -> Any:
-        time.sleep(0.3)
-        out = real(*args, **kw)
-        finished.append(time.monotonic())
-        return out
+    def slow_prepare(*args: Any, **kw: Any) -> Any:
+        time.sleep(0.2)  # the write fails before the worker has its units
+        return real(*args, **kw)
 
-    monkeypatch.setattr(replica_late, "replica_tensors", slow)
+    monkeypatch.setattr(replica_late, "replica_tensors", slow_prepare)
 
     def rank(comm: Any) -> float:
         writer = refdcp.FileSystemWriter(tmp_path)
@@ -173,12 +222,42 @@ def test_a_failed_write_waits_for_the_digest_worker(
             raise OSError("disk gone")
 
         writer.write_data = write_data  # type: ignore[method-assign]
+        sd = {f"big{i}": torch.ones(300_000) for i in range(6)}
         with pytest.raises(CheckpointError, match="disk gone"):
-            refdcp.save({"a": torch.ones(8), "b": torch.ones(8)}, storage_writer=writer, comm=comm)
+            refdcp.save(sd, storage_writer=writer, comm=comm)
         return time.monotonic()
 
     failed_at = FakeWorld(2).run(rank)
-    assert len(finished) == 2 and max(finished) <= min(failed_at)
+    time.sleep(0.4)  # a worker left running would compute its units now
+    assert [end for _, end, _ in log if end > min(failed_at)] == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are Linux-only")
+@pytest.mark.spec("DEDUP-17")
+def test_the_worker_runs_at_the_lowest_priority_and_its_owner_does_not(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[tuple[str, float, int]] = []
+    _slow_units(monkeypatch, log)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def rank(comm: Any) -> None:
+        writer = refdcp.FileSystemWriter(tmp_path)
+        real_write = writer.write_data
+
+        def write_data(plan: Any, planner: Any) -> Any:
+            time.sleep(0.2)  # long enough for the worker to take a few units
+            return real_write(plan, planner)
+
+        writer.write_data = write_data  # type: ignore[method-assign]
+        sd = {f"big{i}": torch.ones(300_000) for i in range(12)}
+        refdcp.save(sd, storage_writer=writer, comm=comm)
+
+    FakeWorld(2).run(rank)
+    by_worker = [nice for name, _, nice in log if name == "refdcp-replica-digests"]
+    by_owner = [nice for name, _, nice in log if name != "refdcp-replica-digests"]
+    assert by_worker and set(by_worker) == {19}
+    assert set(by_owner) <= {base}  # the rank's own thread keeps its priority
 
 
 @pytest.mark.spec("DEDUP-17")
@@ -447,6 +526,7 @@ def test_ranks_with_equal_plans_and_values_send_one_group(tmp_path: Any) -> None
     (d0, msg), (d1, _), (d2, _), (d3, _) = out
     assert d0.group is None  # the coordinator's keys are those others hold: not a plan's
     assert d1.group == d2.group is not None and d3.group not in (None, d1.group)
+    assert len(d1.group) == 16  # a 16-byte blake2b digest
     assert list(d1.sums) == [("a", torch.Size([0])), ("b", torch.Size([0]))]  # items' order
     assert "ranks [0, 1, 2] hold checksum" in msg and "ranks [3] hold checksum" in msg
 
