@@ -175,6 +175,35 @@ def _slow_units(monkeypatch: pytest.MonkeyPatch, log: list[tuple[str, float, int
 
 
 @pytest.mark.spec("DEDUP-17")
+@pytest.mark.parametrize("where", ["first", "last"])  # the worker's end, or its owner's
+def test_an_error_in_a_unit_of_digest_work_fails_the_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    real = replica_late.digest_units
+
+    def failing(tensors: Any, seeds: Any) -> Any:
+        units, result, shared = real(tensors, seeds)
+
+        def boom() -> None:
+            raise MemoryError("no memory for the copy")
+
+        at = 0 if where == "first" else len(units) - 1
+        return [boom if k == at else u for k, u in enumerate(units)], result, shared
+
+    monkeypatch.setattr(replica_late, "digest_units", failing)
+
+    def rank(comm: Any) -> str:
+        sd = {f"big{i}": torch.ones(300_000) for i in range(6)}
+        with pytest.raises(CheckpointError) as err:
+            refdcp.save(sd, checkpoint_id=tmp_path, comm=comm)
+        return str(err.value)
+
+    for msg in FakeWorld(2).run(rank):
+        assert "computing replica digests failed" in msg and "no memory for the copy" in msg
+    assert not (tmp_path / ".metadata").exists()
+
+
+@pytest.mark.spec("DEDUP-17")
 def test_a_failed_write_waits_for_the_digest_worker(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
