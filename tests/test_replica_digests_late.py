@@ -591,3 +591,32 @@ def test_a_repeated_group_is_screened_once_and_still_named() -> None:
     finally:
         replica_late.replica_value_problems = real  # type: ignore[assignment]
     assert screened == [[True, True, False, True]]
+
+
+class _CachingCapture(_Capturing):
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+@pytest.mark.spec("DEDUP-17", "PLAN-12")
+def test_a_cached_plan_is_named_by_its_own_digest_after_a_failed_save() -> None:
+    # a group names the digested keys; after a save whose plan failed, a rank reusing its
+    # cached plan must name it by that plan's digest, not by the failed plan's
+    storage = refdcp.MemoryStorage()
+
+    def rank(comm: Any) -> list[Any]:
+        planner = _CachingCapture()
+        good = {"w": torch.ones(4), f"own{comm.rank}": torch.ones(3)}
+        groups = []
+        refdcp.save(good, storage_writer=storage.writer("a"), planner=planner, comm=comm)
+        groups.append(planner.sent[0].group)
+        bad = {"w": torch.ones(4 + comm.rank)}  # replicas disagree in shape: the plan fails
+        with pytest.raises(CheckpointError):
+            refdcp.save(bad, storage_writer=storage.writer("b"), planner=planner, comm=comm)
+        refdcp.save(good, storage_writer=storage.writer("c"), planner=planner, comm=comm)
+        groups.append(planner.sent[0].group)
+        return groups
+
+    coordinator, other = FakeWorld(2).run(rank)
+    assert coordinator == [None, None]
+    assert other[0] is not None and other[1] == other[0]  # same items, same values

@@ -83,8 +83,10 @@ class LocalPlanCache:
     fingerprint_id: int = 0
     local_items: list[WriteItem] = field(default_factory=list)
     final_plan: SavePlan | None = None
+    #: the digest (PLAN-15) of ``local_items``' plan: it names their keys (DEDUP-17)
+    plan_digest: str | None = None
     #: set by create_local_plan, promoted by finish_plan once the global plan succeeded
-    pending: tuple[tuple[Any, ...], int, list[WriteItem]] | None = None
+    pending: tuple[tuple[Any, ...], int, list[WriteItem], str | None] | None = None
 
     def hit(self, fingerprint: tuple[Any, ...]) -> bool:
         return self.final_plan is not None and self.fingerprint == fingerprint

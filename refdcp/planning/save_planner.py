@@ -120,7 +120,7 @@ class DefaultSavePlanner(SavePlanner):
         self._late_written: list[WriteItem] = []  # digested by the writer on the way
         self._late_keys: list[Any] = []  # every digested key, in the items' order
         self._late_structure: bytes | None = None  # names those keys (RankDigests.group)
-        self._plan_digest: str | None = None  # this rank's last full local plan's (PLAN-15)
+        self._plan_digest: str | None = None  # the digest of this save's local items (PLAN-15)
 
     def set_up_planner(
         self,
@@ -134,6 +134,7 @@ class DefaultSavePlanner(SavePlanner):
         self.is_coordinator = is_coordinator
         self._late, self._late_items, self._late_job = False, None, None
         self._late_written, self._late_keys, self._late_structure = [], [], None
+        self._plan_digest = None
 
     def defer_replica_digests(self) -> None:
         """Digest this save's tensor replicas while writing, not in the plans (DEDUP-17).
@@ -170,6 +171,7 @@ class DefaultSavePlanner(SavePlanner):
         if fingerprint is not None and self._local_cache.hit(fingerprint):
             # unchanged structure: a marker instead of the plan; digests still travel (PLAN-9)
             items = self._local_cache.local_items
+            self._plan_digest = self._local_cache.plan_digest  # the digest of these items
             if self.check_replicas and deferred and self._global_cache is not None:
                 # the coordinator knows from its cache which of its items others hold
                 sums = self._replica_sums(self._global_cache.coordinator_shared)
@@ -208,7 +210,7 @@ class DefaultSavePlanner(SavePlanner):
         if fingerprint is not None:
             fid = uuid.uuid4().int >> 64  # names this structure in the coordinator's cache
             data[RESERVED_KEY]["fingerprint"] = fid
-            self._local_cache.pending = (fingerprint, fid, items)
+            self._local_cache.pending = (fingerprint, fid, items, digest)
         self.plan = SavePlan(items, planner_data=data)
         return self.plan
 
@@ -382,7 +384,12 @@ class DefaultSavePlanner(SavePlanner):
                 new_plan = cache.final_plan
             else:
                 if cache.pending is not None:
-                    cache.fingerprint, cache.fingerprint_id, cache.local_items = cache.pending
+                    (
+                        cache.fingerprint,
+                        cache.fingerprint_id,
+                        cache.local_items,
+                        cache.plan_digest,
+                    ) = cache.pending
                     cache.pending = None
                     cache.final_plan = new_plan
                 else:  # a rebuilt global plan answering this rank's marker
