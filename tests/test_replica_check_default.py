@@ -14,28 +14,14 @@ from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 from refdcp.planning import local_plan, replica_late
 from refdcp.testing.spawn import run_gloo
+from tests._replica_spies import EarlyDigests, count_digested
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-def _count_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the tensors digested, in the plans and after them (DEDUP-13, DEDUP-17)."""
-    seen: list[int] = []
-    real = local_plan.replica_tensors
-
-    def counting(*args: Any, **kw: Any) -> Any:
-        keys, tensors, seeds = real(*args, **kw)
-        seen.extend(t.numel() for t in tensors)
-        return keys, tensors, seeds
-
-    monkeypatch.setattr(local_plan, "replica_tensors", counting)
-    monkeypatch.setattr(replica_late, "replica_tensors", counting)
-    return seen
-
-
 @pytest.mark.spec("DEDUP-13")
 def test_a_single_rank_save_digests_nothing(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _count_digests(monkeypatch)
+    seen = count_digested(monkeypatch)
     refdcp.save({"w": torch.ones(1000), "b": torch.zeros(3)}, checkpoint_id=tmp_path, no_dist=True)
     assert seen == []
 
@@ -44,7 +30,7 @@ def test_a_single_rank_save_digests_nothing(tmp_path: Any, monkeypatch: pytest.M
 def test_a_rank_digests_only_replicas_it_does_not_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _count_digests(monkeypatch)
+    seen = count_digested(monkeypatch)
 
     def rank(comm: Any) -> None:
         sd = {"shared": torch.ones(7), f"own{comm.rank}": torch.ones(100 + comm.rank)}
@@ -56,22 +42,15 @@ def test_a_rank_digests_only_replicas_it_does_not_write(
     assert sorted(seen) == [7]
 
 
-class _EarlyDigests(refdcp.DefaultSavePlanner):
-    """Digests in the local plans, as when torch's ``dcp.save`` drives the planner."""
-
-    def defer_replica_digests(self) -> None:
-        pass
-
-
 @pytest.mark.spec("DEDUP-13")
 def test_plan_digests_cover_what_others_may_hold(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _count_digests(monkeypatch)
+    seen = count_digested(monkeypatch)
 
     def rank(comm: Any) -> None:
         sd = {"shared": torch.ones(7), f"own{comm.rank}": torch.ones(100 + comm.rank)}
-        refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, planner=_EarlyDigests())
+        refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, planner=EarlyDigests())
 
     FakeWorld(2).run(rank)
     # rank 1 digests both its items (it cannot know which are shared); rank 0 only "shared"
@@ -110,7 +89,7 @@ def _dtensor_digests(rank: int, world: int, path: str, early: bool) -> list[str]
         "sharded": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]),
         "replicated": distribute_tensor(torch.arange(4.0), mesh, [Replicate()]),
     }
-    refdcp.save(sd, checkpoint_id=path, planner=_EarlyDigests() if early else None)
+    refdcp.save(sd, checkpoint_id=path, planner=EarlyDigests() if early else None)
     return names
 
 

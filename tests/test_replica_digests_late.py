@@ -22,6 +22,7 @@ from refdcp.planning import DefaultSavePlanner, ReplicaMismatchError, replica_la
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.planning.replica_late import replica_value_problems
 from refdcp.testing.spawn import run_gloo
+from tests._replica_spies import EarlyDigests, count_digested
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -99,6 +100,23 @@ def test_torch_driven_saves_compare_tensor_digests_before_writing() -> None:
     assert not [f for f in r0[-1] if f.endswith(".distcp")]  # nothing written
 
 
+def _writer(path: Any, before: Any = None, fail: bool = False) -> Any:
+    """A FileSystemWriter whose ``write_data`` first calls ``before()``, then writes, or
+    with ``fail`` raises ``OSError("disk gone")`` instead."""
+    writer = refdcp.FileSystemWriter(path)
+    real_write = writer.write_data
+
+    def write_data(plan: Any, planner: Any) -> Any:
+        if before is not None:
+            before()
+        if fail:
+            raise OSError("disk gone")
+        return real_write(plan, planner)
+
+    writer.write_data = write_data  # type: ignore[method-assign]
+    return writer
+
+
 @pytest.mark.spec("DEDUP-17")
 def test_digests_run_on_a_worker_while_the_rank_writes(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
@@ -116,15 +134,8 @@ def test_digests_run_on_a_worker_while_the_rank_writes(
     seen_during_write: list[bool] = []
 
     def rank(comm: Any) -> None:
-        writer = refdcp.FileSystemWriter(tmp_path)
-        real_write = writer.write_data
-
-        def write_data(plan: Any, planner: Any) -> Any:
-            # the worker started before the write: this rank's digests overlap its write
-            seen_during_write.append(started.acquire(timeout=10))
-            return real_write(plan, planner)
-
-        writer.write_data = write_data  # type: ignore[method-assign]
+        # the worker started before the write: this rank's digests overlap its write
+        writer = _writer(tmp_path, lambda: seen_during_write.append(started.acquire(timeout=10)))
         # dedup gives "a" to rank 0 and "b" to rank 1: each digests the one it does not write
         sd = {"a": torch.ones(1000), "b": torch.ones(1000), f"own{comm.rank}": torch.ones(10)}
         refdcp.save(sd, storage_writer=writer, comm=comm)
@@ -211,13 +222,7 @@ def test_a_failed_write_waits_for_the_digest_worker(
     _slow_units(monkeypatch, log)
 
     def rank(comm: Any) -> float:
-        writer = refdcp.FileSystemWriter(tmp_path)
-
-        def write_data(plan: Any, planner: Any) -> Any:
-            time.sleep(0.02)  # the worker is inside a unit
-            raise OSError("disk gone")
-
-        writer.write_data = write_data  # type: ignore[method-assign]
+        writer = _writer(tmp_path, lambda: time.sleep(0.02), fail=True)  # inside a unit
         sd = {f"t{i}": torch.ones(8) for i in range(40)}  # batches of small tensors
         sd.update({f"big{i}": torch.ones(300_000) for i in range(6)})  # one unit each
         with pytest.raises(CheckpointError, match="disk gone"):
@@ -245,12 +250,7 @@ def test_a_write_failing_before_the_worker_is_ready_still_stops_it(
     monkeypatch.setattr(replica_late, "replica_tensors", slow_prepare)
 
     def rank(comm: Any) -> float:
-        writer = refdcp.FileSystemWriter(tmp_path)
-
-        def write_data(plan: Any, planner: Any) -> Any:
-            raise OSError("disk gone")
-
-        writer.write_data = write_data  # type: ignore[method-assign]
+        writer = _writer(tmp_path, fail=True)
         sd = {f"big{i}": torch.ones(300_000) for i in range(6)}
         with pytest.raises(CheckpointError, match="disk gone"):
             refdcp.save(sd, storage_writer=writer, comm=comm)
@@ -271,14 +271,7 @@ def test_the_worker_runs_at_the_lowest_priority_and_its_owner_does_not(
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def rank(comm: Any) -> None:
-        writer = refdcp.FileSystemWriter(tmp_path)
-        real_write = writer.write_data
-
-        def write_data(plan: Any, planner: Any) -> Any:
-            time.sleep(0.2)  # long enough for the worker to take a few units
-            return real_write(plan, planner)
-
-        writer.write_data = write_data  # type: ignore[method-assign]
+        writer = _writer(tmp_path, lambda: time.sleep(0.2))  # the worker takes a few units
         sd = {f"big{i}": torch.ones(300_000) for i in range(12)}
         refdcp.save(sd, storage_writer=writer, comm=comm)
 
@@ -421,18 +414,7 @@ def test_a_writer_recording_no_digest_gets_them_computed_after_its_write(
 ) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from refdcp.planning import local_plan
-
-    seen: list[int] = []
-    real = local_plan.replica_tensors
-
-    def counting(*args: Any, **kw: Any) -> Any:
-        keys, tensors, seeds = real(*args, **kw)
-        seen.extend(t.numel() for t in tensors)
-        return keys, tensors, seeds
-
-    monkeypatch.setattr(local_plan, "replica_tensors", counting)
-    monkeypatch.setattr(replica_late, "replica_tensors", counting)
+    seen = count_digested(monkeypatch)
 
     def rank(comm: Any) -> None:
         sd = {"a": torch.ones(100), "b": torch.ones(100), f"own{comm.rank}": torch.ones(3)}
@@ -473,13 +455,6 @@ def test_a_planner_writing_other_data_digests_its_values_itself(tmp_path: Any) -
     assert out["a"].eq(2).all() and out["b"].eq(2).all()
 
 
-class _EarlyDigests(DefaultSavePlanner):
-    """Digests in the local plans, compared in the global plan (DEDUP-13, torch's driver)."""
-
-    def defer_replica_digests(self) -> None:
-        pass
-
-
 def _named_keys(message: str) -> set[str]:
     import re
 
@@ -512,7 +487,7 @@ def test_late_and_early_checks_name_the_same_keys(data: st.DataObject) -> None:
 
     storage = refdcp.MemoryStorage()
     named: dict[str, set[str] | None] = {}
-    for mode, make in (("late", DefaultSavePlanner), ("early", _EarlyDigests)):
+    for mode, make in (("late", DefaultSavePlanner), ("early", EarlyDigests)):
 
         def rank(comm: Any, make: Any = make, mode: str = mode) -> str:
             try:

@@ -425,23 +425,27 @@ def replica_checksums(
         elif tensors:
             out[item_key(item)] = 0  # its place in the order; the value below
             tensor_items.append(item)
-    keys, values, seeds = replica_tensors(flat, tensor_items, framed)
+    keys, values, seeds = replica_tensors(flat, tensor_items, framed, screened=True)
     if values:
         out.update(zip(keys, tensor_digests(values, seeds)))
     return out
 
 
 def replica_tensors(
-    flat: Mapping[str, Any], items: Iterable[WriteItem], framed: bool = False
+    flat: Mapping[str, Any],
+    items: Iterable[WriteItem],
+    framed: bool = False,
+    screened: bool = False,
 ) -> tuple[list[Any], list[torch.Tensor], list[int]]:
     """The keys, chunks and digest seeds of the tensor items other ranks may hold too
-    (DEDUP-13); with ``framed`` the seeds are the value digests' (DEDUP-17), else 0."""
+    (DEDUP-13); with ``framed`` the seeds are the value digests' (DEDUP-17), else 0.
+    ``screened``: the caller passes only such tensor items (not checked again)."""
     keys: list[Any] = []
     values: list[torch.Tensor] = []
     for item in items:
-        if item.type != WriteItemType.BYTE_IO:
+        if screened or item.type != WriteItemType.BYTE_IO:
             obj = flat[item.index.fqn]
-            if may_be_replicated(obj):
+            if screened or may_be_replicated(obj):
                 keys.append(item_key(item))
                 values.append(resolve_tensor_chunk(obj, item.index))
     seeds = list(map(value_digest_seed, values)) if framed else [0] * len(values)
