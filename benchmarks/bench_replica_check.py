@@ -9,7 +9,10 @@ disk, three ways, alternating run by run:
   writes, compared before the commit (DEDUP-17);
 * ``early``: the same digests in the local plans, compared in the global plan
   before anything is written (DEDUP-13 as torch's ``dcp.save`` drives it, and
-  refdcp's default before DEDUP-17).
+  refdcp's default before DEDUP-17);
+* ``torch``: torch's own ``dcp.save`` (its planner and ``FileSystemWriter``, no
+  replica check), the same state in the same run: ``late / torch`` is refdcp's
+  default save time as a ratio to torch's.
 
 Two layouts: ``replicated`` (both ranks hold the same keys and values: dedup
 splits the writing, every rank digests every tensor) and ``distinct`` (each
@@ -44,7 +47,7 @@ WORKLOADS: dict[str, tuple[int, int]] = {  # name -> (count, bytes each)
     "medium 1,000 x 1 MiB": (1000, MiB),
 }
 LAYOUTS = ("replicated", "distinct")
-MODES = ("off", "late", "early")
+MODES = ("off", "late", "early", "torch")
 
 
 def _state(rank: int, count: int, nbytes: int, layout: str) -> dict[str, Any]:
@@ -89,7 +92,12 @@ def _rank(rank: int, world: int, names: list[str], trials: int, base: str) -> li
                     path = os.path.join(base, f"{layout}-{mode}-{trial}")
                     dist.barrier()
                     t0 = time.perf_counter()
-                    refdcp.save(sd, checkpoint_id=path, planner=_planner(mode))
+                    if mode == "torch":
+                        import torch.distributed.checkpoint as dcp
+
+                        dcp.save(sd, checkpoint_id=path)
+                    else:
+                        refdcp.save(sd, checkpoint_id=path, planner=_planner(mode))
                     took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
                     dist.barrier()
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     head = f"{'workload':22} {'layout':10} " + " ".join(f"{m + ' s':>8}" for m in MODES)
-    print(head + f" {'late %':>16} {'early %':>16}")
+    print(head + f" {'late %':>16} {'early %':>16} {'late/torch':>10}")
     for name in names:
         for layout in LAYOUTS:
             t: dict[str, dict[int, float]] = {m: {} for m in MODES}
@@ -165,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
             for m in ("late", "early"):
                 pairs = statistics.median(t[m][i] / t["off"][i] - 1 for i in t["off"])
                 costs.append(f"{100 * (med[m] / med['off'] - 1):+6.1f} ({100 * pairs:+6.1f})")
-            print(f"{name:22} {layout:10} {cells} {costs[0]:>16} {costs[1]:>16}")
-    print("cost: ratio of medians - 1, in brackets the median of per-trial ratios - 1")
+            vs_torch = med["late"] / med["torch"]
+            print(f"{name:22} {layout:10} {cells} {costs[0]:>16} {costs[1]:>16} {vs_torch:10.2f}")
+    print("cost: ratio of medians - 1, in brackets the median of per-trial ratios - 1;")
+    print("late/torch: refdcp's default save time / torch's dcp.save (medians, lower is better)")
 
 
 if __name__ == "__main__":
