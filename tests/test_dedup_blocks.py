@@ -26,7 +26,7 @@ import refdcp.planning.dedup_blocks as blocks_module
 import refdcp.planning.local_plan as local_plan
 from refdcp.planning import DefaultSavePlanner, PlanValidationError
 from refdcp.planning.dedup import dedup_items
-from refdcp.planning.dedup_reference import reference_dedup
+from refdcp.reference.dedup import reference_dedup
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.planning.local_plan import (
     block_digests,

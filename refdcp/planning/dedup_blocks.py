@@ -6,7 +6,7 @@ local plan also carries digests of content-defined blocks of its items
 (PLAN-15): a block listed by several ranks is looked at once, as a *unit* held
 by all of them, so the coordinator's work grows with the distinct items, not
 with ranks x items. The rule applied is DEDUP-1..7, unchanged: the result
-equals :func:`~refdcp.planning.dedup_reference.reference_dedup` however the
+equals :func:`~refdcp.reference.dedup.reference_dedup` however the
 plans are cut into blocks.
 """
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import (
 
 from refdcp.driver import LoadContext, SaveContext, StepRecord, simulate
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
-from refdcp.planning.dedup_reference import Decision, reference_dedup
+from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.planning.global_metadata import build_state_dict_metadata
 from refdcp.planning.local_plan import chunk_nbytes
 from refdcp.protocol import LOAD, SAVE, Kind
@@ -133,7 +133,7 @@ class TraceResult:
 def explain_dedup(local: Sequence[SavePlan], final: Sequence[SavePlan]) -> list[Decision]:
     """Each replicated (fqn, chunk): who held it, who writes it, and why (TRACE-3, TRACE-7).
 
-    The records are the reference rule's own (``planning/dedup_reference.py``),
+    The records are the reference rule's own (``refdcp/reference/dedup.py``),
     for the planner's default options; a writer that differs from the
     planner's actual choice (``final``) is flagged with ``(!)``.
     """
