@@ -26,7 +26,6 @@ import refdcp.planning.dedup_blocks as blocks_module
 import refdcp.planning.local_plan as local_plan
 from refdcp.planning import DefaultSavePlanner, PlanValidationError
 from refdcp.planning.dedup import dedup_items
-from refdcp.reference.dedup import reference_dedup
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.planning.local_plan import (
     block_digests,
@@ -35,6 +34,7 @@ from refdcp.planning.local_plan import (
     plan_digest,
     save_items,
 )
+from refdcp.reference.dedup import reference_dedup
 from tests._dedup_cases import checksums_and_options
 
 DTYPES = [torch.float32, torch.int64]

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from refdcp.errors import CheckpointError
 from refdcp.planning import DefaultSavePlanner
 from refdcp.planning.dedup import dedup_items
-from refdcp.reference.dedup import reference_dedup
 from refdcp.planning.local_plan import block_digests, item_key, save_items
+from refdcp.reference.dedup import reference_dedup
 
 
 def _plan(names: list[str]) -> list[WriteItem]:

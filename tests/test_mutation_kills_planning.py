@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 import refdcp.planning.resharding as resharding
 from refdcp.planning.dedup import dedup_items
 from refdcp.planning.dedup_blocks import valid_blocks
-from refdcp.reference.dedup import reference_dedup
 from refdcp.planning.global_metadata import build_state_dict_metadata
 from refdcp.planning.loadable import loadability_problem
 from refdcp.planning.local_plan import block_digests, save_items
+from refdcp.reference.dedup import reference_dedup
 
 # -- DEDUP-14: an empty cut of a non-empty plan is not a valid cut ------------------------
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refdcp.planning.dedup import dedup_items
-from refdcp.reference.dedup import reference_dedup
 from refdcp.planning.local_plan import chunk_nbytes, item_key, save_items
+from refdcp.reference.dedup import reference_dedup
 from tests._dedup_cases import checksums_and_options
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.comm import Communicator, SingleRank, TorchDistComm
 from refdcp.driver import LoadContext, SaveContext, drive
+from refdcp.driver.run import FaultHook
 from refdcp.errors import CheckpointError
 from refdcp.protocol import LOAD, SAVE
 
@@ -44,8 +45,10 @@ def save(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     comm: Communicator | None = None,
+    fault: FaultHook | None = None,
 ) -> Metadata:
-    """Save ``state_dict`` collectively; every rank returns the committed Metadata (API-1)."""
+    """Save ``state_dict`` collectively; every rank returns the committed Metadata (API-1).
+    ``fault(i, action)`` runs before this rank's i-th action and may raise (PROTO-7)."""
     c = _comm(comm)
     if storage_writer is None and checkpoint_id is None:
         raise ValueError("`checkpoint_id` must be given when no storage_writer is given (API-5)")
@@ -58,7 +61,7 @@ def save(
         planner=planner or ReferenceSavePlanner(),
     )
     try:
-        result: Metadata = drive(SAVE, ctx, c)
+        result: Metadata = drive(SAVE, ctx, c, fault=fault)
         return result
     except BaseException as exc:
         committed = isinstance(exc, CheckpointError) and exc.committed is not False
@@ -76,6 +79,7 @@ def load(
     planner: LoadPlanner | None = None,
     comm: Communicator | None = None,
     verify: bool | None = None,
+    fault: FaultHook | None = None,
 ) -> None:
     """Load into ``state_dict`` in place, resharding as needed (API-1, API-2, API-6)."""
     c = _comm(comm)
@@ -90,4 +94,4 @@ def load(
         planner=planner or ReferenceLoadPlanner(),
         verify=verify,
     )
-    drive(LOAD, ctx, c)
+    drive(LOAD, ctx, c, fault=fault)

@@ -31,8 +31,20 @@ from refdcp.storage import (
     UnsafePathError,
 )
 
-__all__ = ["decode_tensor", "dump_metadata", "encode_item", "load_metadata", "storage_info"]
+__all__ = [
+    "DCP_VERSION",
+    "METADATA",
+    "data_file_name",
+    "decode_tensor",
+    "dump_metadata",
+    "encode_item",
+    "load_metadata",
+    "plain_values",
+    "storage_info",
+]
 
+METADATA = ".metadata"  # the commit point's name (STORE-1)
+DCP_VERSION = "1.0.0"  # the ``Metadata.version`` torch 2.13 writes (FMT-1, FMT-7)
 TRAILER = b"#refdcp-crc32c:"  # then 8 hex digits and a newline (INTEG-2)
 TRAILER_LEN = len(TRAILER) + 9
 MAX_METADATA_BYTES = 1 << 30  # FMT-10's default cap
@@ -61,17 +73,30 @@ ALLOWED = {
 }
 
 
+def data_file_name(rank: int, token: str) -> str:
+    """A rank's data file of one save: ``__{rank}_0.{token}.distcp`` (STORE-2, STORE-30)."""
+    return f"__{rank}_0.{token}.distcp"
+
+
 def encode_item(data: torch.Tensor | io.BytesIO) -> tuple[bytes, int | None]:
     """An item's stored bytes and, for a tensor, where its raw data starts (FMT-2..4)."""
     if isinstance(data, io.BytesIO):
         return data.getvalue(), None
-    t = data.detach().cpu()
-    if t.layout == torch.strided and not t.is_quantized:
-        t = t.clone(memory_format=torch.contiguous_format)  # only the chunk's elements (FMT-4)
+    t = plain_values(data)
     buf = io.BytesIO()
     torch.save(t, buf)
     blob = buf.getvalue()
     return blob, _data_offset(blob) if t.layout == torch.strided and not t.is_quantized else None
+
+
+def plain_values(t: torch.Tensor) -> torch.Tensor:
+    """A plain CPU tensor of ``t``'s values: conjugate and negative bits resolved, subclasses
+    dropped (SAVE-10), and a dense tensor copied to hold only its own elements (FMT-4)."""
+    t = t.detach().cpu()
+    if t.layout != torch.strided or t.is_quantized:
+        return t
+    t = t.resolve_conj().resolve_neg().as_subclass(torch.Tensor)
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _data_offset(blob: bytes) -> int:
@@ -107,7 +132,8 @@ def dump_metadata(metadata: Metadata) -> bytes:
 
 
 def load_metadata(data: bytes, file: str) -> Metadata:
-    """Parse ``.metadata`` written by refdcp or torch: trailer, allowlist, version, fields."""
+    """Parse ``.metadata`` written by refdcp or torch (FMT-5): the size cap (FMT-10), the trailer
+    (INTEG-2), the allowlist (FMT-6), the version (FMT-7) and the storage records (STORE-26)."""
     if len(data) > MAX_METADATA_BYTES:
         raise UnsafeMetadataError(f"{file}: {len(data)} bytes is over the metadata size limit")
     has_trailer = data[-TRAILER_LEN:-9] == TRAILER and data.endswith(b"\n")
@@ -130,7 +156,7 @@ def load_metadata(data: bytes, file: str) -> Metadata:
             f"holds a {type(metadata).__name__}", field="<root>", file=file
         )
     fmt = getattr(metadata, "refdcp_format", None)
-    if fmt not in (None, 1) or metadata.version not in (None, "1.0.0"):  # FMT-7
+    if fmt not in (None, 1) or metadata.version not in (None, DCP_VERSION):  # FMT-7
         raise FormatVersionError(f"{file}: format {fmt!r}, version {metadata.version!r}")
     if fmt is not None and not has_trailer:
         raise CorruptionError(

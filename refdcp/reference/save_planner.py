@@ -40,6 +40,7 @@ from refdcp.planning import PlanValidationError
 from refdcp.planning.flatten import RESERVED_KEY, encode_structure, flatten_state_dict
 
 from .dedup import item_key, reference_dedup
+from .format import plain_values
 from .metadata import build_metadata
 
 __all__ = ["ReferenceSavePlanner", "chunk_of", "value_checksum", "write_items"]
@@ -213,7 +214,7 @@ def value_checksum(value: Any) -> int:
     """A checksum equal for equal values on every rank (DEDUP-6): the CRC-32C of a dense
     tensor's bytes, else of the object's pickle with sets and dicts sorted."""
     if isinstance(value, torch.Tensor) and value.layout == torch.strided and not value.is_quantized:
-        raw = value.cpu().contiguous().reshape(-1).view(torch.uint8)
+        raw = plain_values(value).reshape(-1).view(torch.uint8)
         return int(crc32c.crc32c(raw.numpy().tobytes()))
     return int(crc32c.crc32c(pickle.dumps(_canonical(value), protocol=4)))
 

@@ -38,7 +38,16 @@ from torch.futures import Future
 
 from refdcp.storage import CorruptionError, MissingChecksumError, UnsafePathError
 
-from .format import decode_tensor, dump_metadata, encode_item, load_metadata, storage_info
+from .format import (
+    DCP_VERSION,
+    METADATA,
+    data_file_name,
+    decode_tensor,
+    dump_metadata,
+    encode_item,
+    load_metadata,
+    storage_info,
+)
 
 __all__ = ["ReferenceReader", "ReferenceWriter"]
 
@@ -84,7 +93,7 @@ class ReferenceWriter(StorageWriter):
         """Each rank's data file name, under the coordinator's token (STORE-2, STORE-30)."""
         return [
             SavePlan(
-                p.items, storage_data=f"__{r}_0.{self.token}.distcp", planner_data=p.planner_data
+                p.items, storage_data=data_file_name(r, self.token), planner_data=p.planner_data
             )
             for r, p in enumerate(plans)
         ]
@@ -117,15 +126,15 @@ class ReferenceWriter(StorageWriter):
         """The commit: a fully written metadata file renamed onto ``.metadata`` (STORE-1, STORE-4)."""
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
         metadata.storage_meta = self.storage_meta()
-        metadata.version = "1.0.0"
-        tmp = self.path / f".metadata.{self.token}.tmp"
+        metadata.version = DCP_VERSION
+        tmp = self.path / f"{METADATA}.{self.token}.tmp"
         self.written.append(tmp)
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as out:
             out.write(dump_metadata(metadata))
             if self.sync_files:
                 out.flush()
                 os.fsync(out.fileno())
-        os.replace(tmp, self.path / ".metadata")
+        os.replace(tmp, self.path / METADATA)
         self.written.remove(tmp)
         if self.sync_files:
             _fsync_dir(self.path)
@@ -167,8 +176,8 @@ class ReferenceReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         """``.metadata``, read with the restricted unpickler (FMT-6, FMT-7, INTEG-2)."""
-        with self._open(".metadata") as f:
-            self.metadata = load_metadata(f.read(), str(self.path / ".metadata"))
+        with self._open(METADATA) as f:
+            self.metadata = load_metadata(f.read(), str(self.path / METADATA))
         return self.metadata
 
     def set_up_storage_reader(

@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.planner import (
 
 from refdcp.driver import LoadContext, SaveContext, StepRecord, simulate
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
-from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.planning.global_metadata import build_state_dict_metadata
 from refdcp.planning.local_plan import chunk_nbytes
 from refdcp.protocol import LOAD, SAVE, Kind
 from refdcp.protocol.names import Slot
+from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.storage.memory import MemoryStorage
 
 __all__ = [

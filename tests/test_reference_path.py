@@ -1,0 +1,109 @@
+"""The reference path stays small and plain (REF-5, REF-7) and keeps what it promises (REF-8)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import refdcp
+import refdcp.reference
+from refdcp.comm import FakeWorld, SingleRank
+from refdcp.tools.learner_path import MAX_CODE_LINES, MAX_MODULES, code_lines, learner_path
+
+REFERENCE = Path(refdcp.reference.__file__).parent
+SPEC_ID = re.compile(r"\b[A-Z]+-\d+\b")
+
+
+@pytest.mark.spec("REF-5")
+def test_the_learner_path_fits_its_budget() -> None:
+    path = learner_path("reference")
+    assert any(p.parts[0] == "reference" for p in path)  # it measured the reference path
+    assert len(path) <= MAX_MODULES, sorted(map(str, path))
+    assert sum(path.values()) <= MAX_CODE_LINES, path
+
+
+@pytest.mark.spec("REF-5")
+def test_code_lines_skip_blanks_comments_and_docstrings() -> None:
+    source = '"""Doc\n\nmore."""\n\n# c\nx = 1  # c\n\n\ndef f():\n    """d"""\n    return """not\na doc"""\n'
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    try:
+        assert code_lines(Path(f.name)) == 4  # x = 1, def, return + its 2nd line
+    finally:
+        os.unlink(f.name)
+
+
+def _modules() -> list[Path]:
+    return sorted(REFERENCE.glob("*.py"))
+
+
+@pytest.mark.spec("REF-7")
+@pytest.mark.parametrize("module", _modules(), ids=lambda p: p.name)
+def test_reference_modules_use_no_speed_idioms(module: Path) -> None:
+    tree = ast.parse(module.read_text(encoding="utf-8"))
+    banned = {"numpy", "threading", "concurrent", "gc"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert not {a.name.split(".")[0] for a in node.names} & banned, ast.dump(node)
+        if isinstance(node, ast.ImportFrom):
+            assert (node.module or "").split(".")[0] not in banned, ast.dump(node)
+        if isinstance(node, ast.Attribute) and node.attr == "__new__":
+            raise AssertionError(f"{module.name}:{node.lineno} builds a record with __new__")
+
+
+@pytest.mark.spec("REF-7")
+@pytest.mark.parametrize("module", _modules(), ids=lambda p: p.name)
+def test_every_public_function_and_class_cites_its_requirements(module: Path) -> None:
+    tree = ast.parse(module.read_text(encoding="utf-8"))
+    assert SPEC_ID.search(ast.get_docstring(tree) or ""), f"{module.name}: module docstring"
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node) or ""
+            assert SPEC_ID.search(doc), f"{module.name}: {node.name} cites no requirement"
+
+
+@pytest.mark.spec("REF-8", "STORE-5")
+def test_reference_saves_keep_old_generations_and_refdcp_reclaims_them() -> None:
+    def files(path: str) -> set[str]:
+        return {n for n in os.listdir(path) if n.endswith(".distcp")}
+
+    with tempfile.TemporaryDirectory() as path:
+        FakeWorld(2).run(
+            lambda c: refdcp.reference.save({"w": torch.ones(4)}, checkpoint_id=path, comm=c)
+        )
+        first = files(path)
+        FakeWorld(2).run(
+            lambda c: refdcp.reference.save({"w": torch.zeros(4)}, checkpoint_id=path, comm=c)
+        )
+        assert first < files(path)  # the old generation is still there, beside the new one
+        assert not any(n.endswith(".tmp") for n in os.listdir(path))
+        sd = {"w": torch.ones(4)}
+        refdcp.reference.load(sd, checkpoint_id=path, comm=SingleRank())
+        assert torch.equal(sd["w"], torch.zeros(4))  # the newest commit is what loads
+        refdcp.save({"w": torch.full((4,), 2.0)}, checkpoint_id=path, comm=SingleRank())
+        refdcp.save({"w": torch.full((4,), 3.0)}, checkpoint_id=path, comm=SingleRank())
+        assert not first & files(path)  # refdcp's writer reclaimed what no commit references
+
+
+@pytest.mark.spec("REF-8", "STORE-31")
+def test_a_failed_reference_write_removes_what_it_wrote() -> None:
+    class Boom:
+        def __reduce__(self) -> tuple[object, ...]:
+            raise RuntimeError("cannot pickle")
+
+    with tempfile.TemporaryDirectory() as path:
+        with pytest.raises(refdcp.CheckpointError) as info:
+            refdcp.reference.save(
+                {"w": torch.ones(2), "x": Boom()},
+                checkpoint_id=path,
+                planner=refdcp.reference.ReferenceSavePlanner(check_replicas=False),
+            )
+        assert info.value.step == "write"
+        assert info.value.committed is False
+        assert os.listdir(path) == []
