@@ -147,12 +147,12 @@ FORMAT_LITERALS = (
     "1.0.0",
     ".distcp",
 )  # "refdcp_format" is also a report key
-FORMAT_HOMES = {"storage/layout.py", "storage/safe_metadata.py"}
+FORMAT_HOMES = {"storage/format/layout.py", "storage/metadata/safe.py"}
 
 
 def test_format_knowledge_has_one_home() -> None:
     """File names, the checksum trailer, the version and the format tag are spelled only in
-    storage/layout.py and storage/safe_metadata.py; everything else imports them."""
+    storage/format/layout.py and storage/metadata/safe.py; everything else imports them."""
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()

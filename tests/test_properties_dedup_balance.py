@@ -22,8 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.planner import WriteItem
 
-import refdcp.planning.dedup as dedup_module
-from refdcp.planning.dedup import DedupResult, dedup_items
+import refdcp.planning.dedup.classes as dedup_module
+from refdcp.planning.dedup.classes import DedupResult, dedup_items
 from refdcp.planning.local_plan import ItemKey, chunk_nbytes, item_key, plan_digest, save_items
 
 

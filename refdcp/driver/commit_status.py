@@ -19,7 +19,7 @@ from __future__ import annotations
 from refdcp.errors import CheckpointError, CommError, FailureReport
 from refdcp.protocol.machine import COLLECTIVES, State, Table
 from refdcp.protocol.save import COMMIT_STEP
-from refdcp.storage.commit_mark import COMMIT_ATTR, MISSING, declared, mark
+from refdcp.storage.fs.commit_mark import COMMIT_ATTR, MISSING, declared, mark
 
 __all__ = [
     "COMMIT_ATTR",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from .dedup.deferred import ReplicaMismatchError
 from .flatten import flatten_state_dict, unflatten_state_dict
-from .global_metadata import PlanValidationError
 from .load_planner import DefaultLoadPlanner
 from .load_policy import LoadPolicy, LoadPolicyError
 from .local_shards import LocalShards
-from .replica_late import ReplicaMismatchError
+from .metadata.build import PlanValidationError
 from .save_planner import DefaultSavePlanner
 
 __all__ = [

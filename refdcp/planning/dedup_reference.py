@@ -1,6 +1,6 @@
 """The dedup rule, written to be read: one record per replicated item (DEDUP-9, DEDUP-10).
 
-:func:`reference_dedup` is the specification of :func:`~refdcp.planning.dedup.dedup_items`
+:func:`reference_dedup` is the specification of :func:`~refdcp.planning.dedup.classes.dedup_items`
 in executable form, with no speed tricks: a property test checks that the
 fast version gives the same plans and problems on any input (DEDUP-9), and
 ``refdcp trace`` shows its :class:`Decision` records (TRACE-7).
@@ -26,8 +26,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from .dedup_duplicates import duplicate_problems, repeated_keys
-from .local_plan import ItemKey, _signature, chunk_nbytes, item_key
+from refdcp.planning.dedup.duplicates import duplicate_problems, repeated_keys
+from refdcp.planning.local_plan import ItemKey, _signature, chunk_nbytes, item_key
 
 __all__ = ["Decision", "reference_dedup"]
 

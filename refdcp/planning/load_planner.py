@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
-from refdcp.storage.safe_globals import (
+from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
     default_safe_globals,
     refused_global,

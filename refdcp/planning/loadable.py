@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from refdcp.errors import ProblemsError
-from refdcp.storage.safe_globals import default_safe_globals
+from refdcp.storage.metadata.safe_globals import default_safe_globals
 
 __all__ = [
     "UnloadableValueError",

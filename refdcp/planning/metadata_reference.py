@@ -3,7 +3,7 @@
 :func:`reference_metadata_problems` states META-2..4 directly: bytes and
 tensors under one FQN, dtype or global-shape disagreement, chunks out of
 bounds, overlapping chunks (every pair compared) and incomplete cover. The
-planner's :func:`~refdcp.planning.global_metadata.build_state_dict_metadata`
+planner's :func:`~refdcp.planning.metadata.build.build_state_dict_metadata`
 screens all tensors at once with numpy and words the problems only for the
 suspects; a property test checks that both find the same problems, of the
 same kind, for the same FQNs (META-6).

@@ -23,12 +23,18 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from refdcp.errors import ProtocolError
-from refdcp.storage.records import value_crc_of
+from refdcp.storage.format.records import value_crc_of
 
-from .dedup import dedup_items
-from .dedup_blocks import valid_blocks
+from .dedup.blocks import valid_blocks
+from .dedup.classes import dedup_items
+from .dedup.deferred import (
+    DigestJob,
+    RankDigests,
+    ReplicaMismatchError,
+    group_of,
+    replica_problems,
+)
 from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
-from .global_metadata import PlanValidationError, build_state_dict_metadata
 from .loadable import refuse_unloadable
 from .local_plan import (
     chunkless_tensors,
@@ -39,14 +45,8 @@ from .local_plan import (
     resolve_tensor_chunk,
     save_items,
 )
+from .metadata.build import PlanValidationError, build_state_dict_metadata
 from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
-from .replica_late import (
-    DigestJob,
-    RankDigests,
-    ReplicaMismatchError,
-    group_of,
-    replica_problems,
-)
 
 __all__ = ["DefaultSavePlanner"]
 

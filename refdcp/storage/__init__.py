@@ -10,9 +10,9 @@ from refdcp.storage.errors import (
     UnsafeMetadataError,
     UnsafePathError,
 )
-from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
+from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
 from refdcp.storage.memory import MemoryReader, MemoryStorage, MemoryWriter
-from refdcp.storage.metadata_limits import MetadataLimits, set_metadata_limits
+from refdcp.storage.metadata.limits import MetadataLimits, set_metadata_limits
 from refdcp.storage.verify import VerifyReport, verify_checkpoint
 
 __all__ = [

@@ -55,9 +55,9 @@ from refdcp.planning.flatten import (
     flatten_state_dict,
     unflatten_state_dict,
 )
-from refdcp.storage import layout
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.items import (
+from refdcp.storage.format import layout
+from refdcp.storage.format.items import (
     checksum_of,
     data_offset_of,
     encode_bytes,
@@ -219,7 +219,7 @@ class _DcpSource(_Source):
     """A DCP directory (torch's or refdcp's FileSystemWriter layout)."""
 
     def __init__(self, path: Path) -> None:
-        from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
+        from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
 
         self.path = path
         md_file = path / layout.METADATA_NAME
@@ -849,7 +849,7 @@ def _write_safetensors(
 def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
     from refdcp.planning import DefaultSavePlanner
     from refdcp.planning.loadable import refuse_unloadable
-    from refdcp.storage.filesystem import FileSystemWriter
+    from refdcp.storage.fs.filesystem import FileSystemWriter
 
     class PlaceholderPlanner(DefaultSavePlanner):
         """Tensors are meta placeholders streamed from ``src``: only the other values are checked."""

@@ -25,15 +25,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from refdcp.storage.crc import crc32c
+from refdcp.crc.kernel import crc32c
 from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
     MalformedMetadataError,
     UnsafeMetadataError,
 )
-from refdcp.storage.metadata_limits import MetadataLimits, get_metadata_limits
-from refdcp.storage.metadata_pickle import dumps_metadata
+from refdcp.storage.metadata.limits import MetadataLimits, get_metadata_limits
+from refdcp.storage.metadata.pickler import dumps_metadata
 
 __all__ = [
     "DCP_VERSION",
@@ -279,7 +279,7 @@ def read_metadata_file(path: str | os.PathLike[str], limits: MetadataLimits | No
             raise UnsafeMetadataError(
                 f"{path}: {st.st_size} bytes is over the metadata size limit of "
                 f"{limits.max_file_bytes} (raise it with REFDCP_MAX_METADATA_BYTES or "
-                "refdcp.storage.metadata_limits.set_metadata_limits); not reading it"
+                "refdcp.storage.metadata.limits.set_metadata_limits); not reading it"
             )
         chunks: list[bytes] = []
         total = 0
@@ -358,7 +358,7 @@ def load_metadata(
 def _load_metadata(
     data: bytes, *, file: str, limits: MetadataLimits | None, filesystem: bool
 ) -> Metadata:
-    from refdcp.storage.metadata_shape import check_metadata
+    from refdcp.storage.metadata.shape import check_metadata
 
     limits = limits or get_metadata_limits()
     if len(data) > limits.max_file_bytes:

@@ -3,11 +3,11 @@
 
 A save of many small tensors spends more on the bookkeeping around each
 item than on its bytes. For a plain CPU tensor whose memory holds exactly its
-values (:func:`~refdcp.storage.tensor_values.bytes_are_values`, SAVE-10),
+values (:func:`~refdcp.storage.format.tensor_values.bytes_are_values`, SAVE-10),
 :func:`small_tensor_parts` returns the three buffers to write (the cached
 torch.save frame's head, the tensor's own memory, the frame's tail), the
 blob's length, its CRC-32C and the data offset: the same bytes, checksum and
-offset :func:`~refdcp.storage.items.encode_tensor` gives, without building an
+offset :func:`~refdcp.storage.format.items.encode_tensor` gives, without building an
 ``Encoded`` per item. Other tensors (empty, large, views whose bytes are not
 their values, quantized, sparse, off the CPU) return None and take
 ``encode_tensor``.
@@ -21,8 +21,8 @@ from typing import Any
 import crc32c
 import torch
 
-from refdcp.storage.tensor_values import bytes_are_values
-from refdcp.storage.zipframe import frame_for
+from refdcp.storage.format.tensor_values import bytes_are_values
+from refdcp.storage.format.zipframe import frame_for
 
 __all__ = ["SMALL_MAX_BYTES", "small_tensor_parts"]
 

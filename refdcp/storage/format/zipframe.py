@@ -331,7 +331,7 @@ def parse_data_span(blob_head: bytes) -> tuple[int, int] | None:
 
     Returns None when the bytes do not start with refdcp's member order. Tests
     use it to pin the frame layout (FMT-20); readers locate data through the
-    zip directory instead (``storage/inplace.py``).
+    zip directory instead (``storage/fs/inplace.py``).
     """
     pos = 0
     for _ in range(5):

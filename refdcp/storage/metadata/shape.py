@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from refdcp.storage.errors import MalformedMetadataError
-from refdcp.storage.metadata_bulk import entries_ok, properties_fields_ok, records_ok
-from refdcp.storage.metadata_limits import MetadataLimits
-from refdcp.storage.paths import check_data_name
-from refdcp.storage.safe_metadata import settle
+from refdcp.storage.fs.paths import check_data_name
+from refdcp.storage.metadata.bulk import entries_ok, properties_fields_ok, records_ok
+from refdcp.storage.metadata.limits import MetadataLimits
+from refdcp.storage.metadata.safe import settle
 
 __all__ = ["check_metadata"]
 

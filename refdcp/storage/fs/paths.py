@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from refdcp.storage.errors import UnsafePathError
-from refdcp.storage.layout import METADATA_NAME
+from refdcp.storage.format.layout import METADATA_NAME
 
 __all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact", "pread_into"]
 

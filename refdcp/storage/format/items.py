@@ -22,11 +22,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
+from refdcp.crc import kernel as crc32c  # crc32c.crc32c: the fastest kernel (INTEG-9)
 from refdcp.errors import RefdcpError
-from refdcp.storage import crc as crc32c  # crc32c.crc32c: the fastest kernel (INTEG-9)
 from refdcp.storage.errors import CorruptionError, MissingChecksumError
-from refdcp.storage.tensor_values import bytes_are_values, values_tensor
-from refdcp.storage.zipframe import frame_for, frame_records
+from refdcp.storage.format.tensor_values import bytes_are_values, values_tensor
+from refdcp.storage.format.zipframe import frame_for, frame_records
 
 __all__ = [
     "CRC_ATTR",

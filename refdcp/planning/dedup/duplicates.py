@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import compress
 
-from .local_plan import ItemKey
+from refdcp.planning.local_plan import ItemKey
 
 __all__ = ["class_duplicates", "duplicate_problems", "repeated_keys", "unit_duplicates"]
 

@@ -20,9 +20,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
-from .dedup import DedupResult, _disagreements, _suspects, assign_largest_first
-from .dedup_duplicates import unit_duplicates
-from .local_plan import Blocks, ItemKey, chunk_nbytes
+from refdcp.planning.dedup.classes import (
+    DedupResult,
+    _disagreements,
+    _suspects,
+    assign_largest_first,
+)
+from refdcp.planning.dedup.duplicates import unit_duplicates
+from refdcp.planning.local_plan import Blocks, ItemKey, chunk_nbytes
 
 __all__ = ["dedup_by_blocks", "units_of", "valid_blocks"]
 

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from .crc import crc32c
+from refdcp.crc.kernel import crc32c
 
 __all__ = [
     "HELPER_PIECE_BYTES",

@@ -32,22 +32,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from refdcp.crc.kernel import crc32c
+from refdcp.crc.pieces import write_checksummed
 from refdcp.errors import RefdcpError
-from refdcp.storage import layout
-from refdcp.storage.checked_read import read_checked_into
-from refdcp.storage.cleanup import (
-    committed_references,
-    reclaim_orphans,
-    remove_files,
-    token_of,
-    wait_until_not_live,
-)
-from refdcp.storage.commit_mark import mark as mark_commit
-from refdcp.storage.crc import crc32c
-from refdcp.storage.crc_pieces import write_checksummed
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError, MissingChecksumError
-from refdcp.storage.inplace import FileSlice, locate_tensor_data, verify_streaming
-from refdcp.storage.items import (
+from refdcp.storage.format import layout
+from refdcp.storage.format.items import (
     DATA_OFFSET_ATTR,
     INPLACE_MIN_BYTES,
     ChunkIndex,
@@ -64,19 +54,29 @@ from refdcp.storage.items import (
     verify_blob,
     whole_chunk,
 )
-from refdcp.storage.lock import SaveLock, acquire_save_lock
-from refdcp.storage.paths import check_data_name, open_data_file
-from refdcp.storage.paths import pread_into as _pread_into
-from refdcp.storage.records import storage_info, write_result
-from refdcp.storage.safe_metadata import (
+from refdcp.storage.format.records import storage_info, write_result
+from refdcp.storage.format.small_tensors import small_tensor_parts
+from refdcp.storage.format.tensor_values import bytes_are_values
+from refdcp.storage.fs.checked_read import read_checked_into
+from refdcp.storage.fs.cleanup import (
+    committed_references,
+    reclaim_orphans,
+    remove_files,
+    token_of,
+    wait_until_not_live,
+)
+from refdcp.storage.fs.commit_mark import mark as mark_commit
+from refdcp.storage.fs.inplace import FileSlice, locate_tensor_data, verify_streaming
+from refdcp.storage.fs.lock import SaveLock, acquire_save_lock
+from refdcp.storage.fs.paths import check_data_name, open_data_file
+from refdcp.storage.fs.paths import pread_into as _pread_into
+from refdcp.storage.fs.small_reads import SmallItem, batches_items, read_small_items
+from refdcp.storage.metadata.safe import (
     dump_metadata,
     finalize_metadata,
     load_metadata,
     read_metadata_file,
 )
-from refdcp.storage.small_reads import SmallItem, batches_items, read_small_items
-from refdcp.storage.small_tensors import small_tensor_parts
-from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from .dedup_duplicates import class_duplicates
-from .dense_ids import DenseIds, dense_ids, dense_ids_of_names
-from .local_plan import Blocks, ItemKey, _signature, chunk_nbytes, plan_digest
-from .replica_late import key_place
+from refdcp.planning.dedup.deferred import key_place
+from refdcp.planning.dedup.duplicates import class_duplicates
+from refdcp.planning.local_plan import Blocks, ItemKey, _signature, chunk_nbytes, plan_digest
+from refdcp.planning.metadata.dense_ids import DenseIds, dense_ids, dense_ids_of_names
 
 __all__ = ["DedupResult", "dedup_items"]
 
@@ -78,7 +78,7 @@ def dedup_items(
     reps = [members[0] for members in classes.values()]
     members_of = list(classes.values())
     if blocks is not None and len(reps) > 1:  # plans that differ may still share blocks
-        from .dedup_blocks import dedup_by_blocks, units_of
+        from refdcp.planning.dedup.blocks import dedup_by_blocks, units_of
 
         units = units_of(plans, reps, [blocks[r] for r in reps], list(classes))
         if units is not None:

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from refdcp.storage import layout
-from refdcp.storage.lock import live_lock_tokens
+from refdcp.storage.format import layout
+from refdcp.storage.fs.lock import live_lock_tokens
 
 __all__ = [
     "abort_writer",
@@ -50,7 +50,7 @@ def committed_references(root: Path, names: Iterable[str] | None = None) -> set[
     None when a metadata file exists but cannot be read or parsed: then no
     reference can be ruled out and callers must not remove data files.
     """
-    from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
+    from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
 
     if names is None:
         try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from refdcp.storage.crc import crc32c
+from refdcp.crc.kernel import crc32c
 from refdcp.storage.errors import CorruptionError
 
 __all__ = ["FileSlice", "STREAM_CHUNK", "locate_tensor_data", "verify_streaming"]

@@ -25,10 +25,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
-from refdcp.storage.crc_pieces import TwoEnds
-
-from .global_metadata import PlanValidationError
-from .local_plan import digest_units, replica_tensors
+from refdcp.crc.pieces import TwoEnds
+from refdcp.planning.local_plan import digest_units, replica_tensors
+from refdcp.planning.metadata.build import PlanValidationError
 
 __all__ = [
     "DigestJob",

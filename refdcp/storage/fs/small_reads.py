@@ -34,10 +34,10 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from refdcp.errors import RefdcpError
-from refdcp.storage.checked_read import PIECE_BYTES
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.items import raw_view
-from refdcp.storage.tensor_values import bytes_are_values
+from refdcp.storage.format.items import raw_view
+from refdcp.storage.format.tensor_values import bytes_are_values
+from refdcp.storage.fs.checked_read import PIECE_BYTES
 
 __all__ = ["SmallItem", "batches_items", "read_small_items"]
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from typing import Any
 
-from .crc import crc32c
-from .crc_pieces import PieceCrc, helpers_if_cpu_free
-from .errors import CorruptionError
-from .items import checksum_of, data_offset_of
-from .paths import pread_into
+from refdcp.crc.kernel import crc32c
+from refdcp.crc.pieces import PieceCrc, helpers_if_cpu_free
+from refdcp.storage.errors import CorruptionError
+from refdcp.storage.format.items import checksum_of, data_offset_of
+from refdcp.storage.fs.paths import pread_into
 
 __all__ = ["PIECE_BYTES", "THREAD_MIN_BYTES", "THREAD_PIECE_BYTES", "read_checked_into"]
 

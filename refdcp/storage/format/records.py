@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from refdcp.storage.items import CRC_ATTR, DATA_OFFSET_ATTR
+from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR
 
 __all__ = ["fields_are", "storage_info", "write_result"]
 
@@ -49,7 +49,7 @@ def storage_info(
     relative_path: str, offset: int, length: int, crc: int, data_offset: int | None
 ) -> _StorageInfo:
     """``_StorageInfo(relative_path, offset, length)`` with refdcp's CRC-32C and data offset
-    (INTEG-1, FMT-3); the same object :func:`refdcp.storage.items.make_storage_info` builds."""
+    (INTEG-1, FMT-3); the same object :func:`refdcp.storage.format.items.make_storage_info` builds."""
     if not FAST:
         info = _StorageInfo(relative_path, offset, length)
         setattr(info, CRC_ATTR, crc)
