@@ -20,13 +20,13 @@ from typing import Any
 
 from torch.distributed.checkpoint.planner import WriteItem
 
-from refdcp.planning.dedup.classes import (
+from refdcp.planning.dedup.duplicates import unit_duplicates
+from refdcp.planning.dedup.greedy import (
     DedupResult,
     _disagreements,
     _suspects,
     assign_largest_first,
 )
-from refdcp.planning.dedup.duplicates import unit_duplicates
 from refdcp.planning.local_plan import Blocks, ItemKey, chunk_nbytes
 
 __all__ = ["dedup_by_blocks", "units_of", "valid_blocks"]

@@ -20,7 +20,6 @@ time too, so each item's bytes are checked before the next one lands.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from itertools import pairwise
@@ -39,7 +38,7 @@ from refdcp.storage.format.items import raw_view
 from refdcp.storage.format.tensor_values import bytes_are_values
 from refdcp.storage.fs.checked_read import PIECE_BYTES
 
-__all__ = ["SmallItem", "batches_items", "read_small_items"]
+__all__ = ["SmallItem", "batches_items", "read_small_items", "register_default_methods"]
 
 #: iovecs per ``preadv`` (Linux allows 1024); each item takes two.
 MAX_IOV = 1020
@@ -59,19 +58,23 @@ class SmallItem:
     crc: int | None  # None: read unchecked
 
 
-@functools.cache
-def _default_planner_methods() -> tuple[frozenset[Any], frozenset[Any]]:
-    from refdcp.planning.load_planner import DefaultLoadPlanner
+#: resolve_tensor/commit_tensor methods known to behave as torch's defaults: torch's own, and
+#: those a planner module registers (refdcp's ``DefaultLoadPlanner`` does, on import), so that
+#: storage never imports planning (ARCHITECTURE.md's layers)
+_DEFAULT_RESOLVE: set[Any] = {TorchDefaultLoadPlanner.resolve_tensor}
+_DEFAULT_COMMIT: set[Any] = {TorchDefaultLoadPlanner.commit_tensor}
 
-    resolve = frozenset({DefaultLoadPlanner.resolve_tensor, TorchDefaultLoadPlanner.resolve_tensor})
-    commit = frozenset({DefaultLoadPlanner.commit_tensor, TorchDefaultLoadPlanner.commit_tensor})
-    return resolve, commit
+
+def register_default_methods(planner_cls: type[LoadPlanner]) -> None:
+    """Treat ``planner_cls``'s resolve_tensor/commit_tensor as torch's defaults (STORE-47)."""
+    _DEFAULT_RESOLVE.add(planner_cls.resolve_tensor)
+    _DEFAULT_COMMIT.add(planner_cls.commit_tensor)
 
 
 def batches_items(planner: LoadPlanner) -> bool:
     """True for planners whose resolve/commit are refdcp's or torch's defaults (STORE-47)."""
     cls = type(planner)
-    resolve, commit = _default_planner_methods()
+    resolve, commit = _DEFAULT_RESOLVE, _DEFAULT_COMMIT
     if (
         getattr(cls, "resolve_tensor", None) not in resolve
         or getattr(cls, "commit_tensor", None) not in commit

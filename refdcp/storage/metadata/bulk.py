@@ -1,6 +1,6 @@
 """The common case of the ``.metadata`` shape check in one vectorised pass (FMT-9, FMT-10, STORE-26).
 
-``metadata_shape`` checks every entry and storage record field by field,
+``shape.py`` checks every entry and storage record field by field,
 which at 20,000 items costs more than unpickling them. The functions here
 accept exactly what those per-item checks accept, but test each rule for all
 items at once with C-level ``map``/``set``/``min``/``max`` over the fields,

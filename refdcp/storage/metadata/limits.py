@@ -38,7 +38,7 @@ class MetadataLimits:
     bytes) anywhere in it, and the longest path a pickled ``Path`` may build.
     ``max_dims``: the most dimensions a ``torch.Size`` may have. ``max_depth``:
     the deepest nesting of containers. ``slack_units``: the amplification
-    budget on top of the file size (see ``safe_metadata``).
+    budget on top of the file size (see ``storage.metadata.safe``).
     """
 
     max_file_bytes: int = 1 << 30

@@ -32,6 +32,7 @@ from refdcp.storage.errors import (
     MalformedMetadataError,
     UnsafeMetadataError,
 )
+from refdcp.storage.metadata.bounded import BASE_ATTR, restore_dcp_class
 from refdcp.storage.metadata.limits import MetadataLimits, get_metadata_limits
 from refdcp.storage.metadata.pickler import dumps_metadata
 
@@ -117,17 +118,6 @@ _BUILD_CLASSES = frozenset(
         "_StorageInfo",
     }
 )
-
-#: Attribute marking refdcp's temporary subclasses of the DCP classes (see ``settle``).
-BASE_ATTR = "_refdcp_metadata_base"
-
-
-def settle(obj: Any) -> Any:
-    """Give an object made by the bounded unpickler its real DCP class back (FMT-11)."""
-    base = getattr(type(obj), BASE_ATTR, None)
-    if base is not None:
-        object.__setattr__(obj, "__class__", base)
-    return obj
 
 
 def _bounded_class(base: type, budget: _Budget) -> type:
@@ -247,7 +237,7 @@ def safe_loads(data: bytes, limits: MetadataLimits | None = None) -> Any:
     """Unpickle ``data`` admitting only DCP metadata types, bounded (FMT-6, FMT-11).
 
     Objects of DCP classes come back as their real classes once ``BUILD`` ran;
-    call ``metadata_shape.check_metadata`` (``load_metadata`` does) to settle
+    call ``shape.check_metadata`` (``load_metadata`` does) to restore
     and check the rest.
     """
     limits = limits or get_metadata_limits()
@@ -380,7 +370,7 @@ def _load_metadata(
             file=file,
             offset=0,
         ) from exc
-    settle(metadata)
+    restore_dcp_class(metadata)
     if not isinstance(metadata, Metadata):
         raise MalformedMetadataError(
             f"holds a {type(metadata).__name__}, not a Metadata", field="<root>", file=file

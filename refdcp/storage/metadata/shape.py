@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from refdcp.storage.errors import MalformedMetadataError
 from refdcp.storage.fs.paths import check_data_name
+from refdcp.storage.metadata.bounded import restore_dcp_class
 from refdcp.storage.metadata.bulk import entries_ok, properties_fields_ok, records_ok
 from refdcp.storage.metadata.limits import MetadataLimits
-from refdcp.storage.metadata.safe import settle
 
 __all__ = ["check_metadata"]
 
@@ -108,7 +108,7 @@ class _Checker:
         value = getattr(obj, name, _MISSING)
         if value is _MISSING:
             raise self.fail(where.attr(name), "missing")
-        return settle(value)
+        return restore_dcp_class(value)
 
     def string(self, value: Any, where: _At, *, optional: bool = False) -> None:
         if optional and value is None:
@@ -138,7 +138,7 @@ class _Checker:
                 raise self.fail(where, f"has a negative entry {d}")
 
     def instance(self, value: Any, cls: type, where: _At) -> Any:
-        value = settle(value)
+        value = restore_dcp_class(value)
         if type(value) is not cls:
             raise self.fail(where, f"expected a {cls.__name__}, got {type(value).__name__}")
         return value
@@ -254,7 +254,7 @@ class _Checker:
 
     def entry(self, fqn: Any, entry: Any, where: _At) -> None:
         self.string(fqn, where)
-        entry = settle(entry)
+        entry = restore_dcp_class(entry)
         if type(entry) is BytesStorageMetadata:
             return
         if type(entry) is not TensorStorageMetadata:
@@ -306,7 +306,7 @@ class _Checker:
             self.string(m, _At(at.attr("modules"), "", f"[{i}]"))
 
     def storage_record(self, key: Any, info: Any, where: _At) -> None:
-        key = settle(key)
+        key = restore_dcp_class(key)
         if type(key) is not MetadataIndex:
             raise self.fail(where, f"key: expected a MetadataIndex, got {type(key).__name__}")
         kw = where.key(getattr(key, "fqn", "?"))
@@ -316,7 +316,7 @@ class _Checker:
         if offset is not None:
             self.size(offset, kw.attr("key.offset"))
         self.count(self.field(key, "index", kw), kw.attr("key.index"), optional=True)
-        if not self.filesystem and type(settle(info)) is not _StorageInfo:
+        if not self.filesystem and type(restore_dcp_class(info)) is not _StorageInfo:
             self.generic(info, kw)  # another backend's record: allowed types, bounded
             return
         info = self.instance(info, _StorageInfo, kw)
@@ -345,7 +345,7 @@ class _Checker:
         stack: list[tuple[Any, _At, int]] = [(value, where, depth)]
         while stack:
             obj, at, depth = stack.pop()
-            obj = settle(obj)
+            obj = restore_dcp_class(obj)
             if isinstance(obj, str | bytes):
                 if len(obj) > self.limits.max_string_chars:
                     raise self.fail(at, f"string of {len(obj)} characters is over the limit")

@@ -213,14 +213,3 @@ def demo_command(
 ) -> int:
     results = run_demo(save_world=save_world, load_world=load_world, keep=keep, out=out)
     return 0 if results and all(r.ok for r in results) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m refdcp.tools.demo``: the same arguments as ``refdcp demo``."""
-    from refdcp.tools.cli import main as cli_main
-
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
