@@ -6,8 +6,10 @@ from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
     MalformedMetadataError,
+    MetadataUnreadableError,
     MissingChecksumError,
     UnsafeMetadataError,
+    UnsafeObjectError,
     UnsafePathError,
 )
 from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
@@ -27,8 +29,10 @@ __all__ = [
     "MemoryStorage",
     "MemoryWriter",
     "MetadataLimits",
+    "MetadataUnreadableError",
     "MissingChecksumError",
     "UnsafeMetadataError",
+    "UnsafeObjectError",
     "UnsafePathError",
     "VerifyReport",
     "set_metadata_limits",

@@ -11,10 +11,10 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from refdcp.crc.kernel import crc32c
-from refdcp.errors import RefdcpError
 from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
+    MetadataUnreadableError,
     UnsafeMetadataError,
     UnsafePathError,
 )
@@ -226,7 +226,3 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
         return verify_ranges(metadata_bytes, ranges, str(root))
     finally:
         ranges.close()
-
-
-class MetadataUnreadableError(RefdcpError):
-    """``.metadata`` exists but cannot be read; nothing could be verified (TOOL-13)."""

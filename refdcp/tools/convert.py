@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from refdcp.errors import RefdcpError
+from refdcp.errors import ConvertError, RefdcpError
 from refdcp.planning.flatten import (
     RESERVED_KEY,
     decode_structure,
@@ -111,10 +111,6 @@ _SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 #: Bound on the scratch buffer used to scatter a DCP chunk into a strided box.
 _SCRATCH_BYTES = 4 << 20
 _MADV_DONTNEED = 4
-
-
-class ConvertError(RefdcpError):
-    """A conversion that cannot be done faithfully; nothing was written (TOOL-21)."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from refdcp.errors import MetadataLoadError
 from refdcp.storage.format import layout
 from refdcp.storage.metadata.safe import FORMAT_ATTR, has_checksum_trailer
 
@@ -30,10 +31,6 @@ __all__ = ["MetadataLoadError", "inspect_checkpoint", "inspect_command", "load_m
 
 METADATA_FILE = layout.METADATA_NAME
 _CHECKSUM_WORDS = ("checksum", "crc", "digest", "sha256", "hash")
-
-
-class MetadataLoadError(RuntimeError):
-    """``.metadata`` is unreadable, corrupt or names a global outside the allow-list (TOOL-7)."""
 
 
 def load_metadata_safely(path: str | os.PathLike[str]) -> Metadata:

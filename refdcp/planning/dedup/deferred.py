@@ -26,8 +26,8 @@ from typing import Any
 from torch.distributed.checkpoint.planner import WriteItem
 
 from refdcp.crc.pieces import TwoEnds
+from refdcp.planning.errors import ReplicaMismatchError
 from refdcp.planning.local_plan import digest_units, replica_tensors
-from refdcp.planning.metadata.build import PlanValidationError
 
 __all__ = [
     "DigestJob",
@@ -38,12 +38,6 @@ __all__ = [
     "replica_problems",
     "replica_value_problems",
 ]
-
-
-class ReplicaMismatchError(PlanValidationError):
-    """Ranks wrote different values under one replicated key; nothing was committed (DEDUP-17)."""
-
-    headline = "replicas differ in value"
 
 
 def key_place(key: Any) -> str:

@@ -23,17 +23,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem
 
-from refdcp.errors import ProblemsError
+from refdcp.planning.errors import PlanValidationError
 
 from .dense_ids import DenseIds, IdArray, dense_ids, dense_ids_of_names
 
 __all__ = ["PlanValidationError", "build_state_dict_metadata", "find_overlaps"]
-
-
-class PlanValidationError(ProblemsError):
-    """The global save plan is inconsistent; ``problems`` lists every violation (META-5)."""
-
-    headline = "invalid global save plan"
 
 
 def build_state_dict_metadata(

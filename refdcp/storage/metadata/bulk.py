@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from refdcp.storage.errors import MetadataFieldMissing
+
 __all__ = ["entries_ok", "properties_fields_ok", "records_ok"]
 
 #: Names ``check_data_name`` certainly accepts (anything else goes to the per-item check).
@@ -36,16 +38,12 @@ PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_.-]{1,200}\Z")
 _U32 = 1 << 32
 
 
-class _Unusual(Exception):
-    """A required field is missing: leave it to the per-item check."""
-
-
 def _field(objs: list[Any], name: str) -> list[Any]:
     """``obj.name`` of every object (a required field)."""
     try:
         return list(map(attrgetter(name), objs))
     except AttributeError:
-        raise _Unusual(name) from None
+        raise MetadataFieldMissing(name) from None
 
 
 def _optional(objs: list[Any], name: str) -> list[Any]:
@@ -116,7 +114,7 @@ def entries_ok(sdm: dict[Any, Any], cap: int) -> bool:
     """True when every ``state_dict_metadata`` entry passes the per-item check (FMT-9, FMT-10)."""
     try:
         return _entries_ok(sdm, cap)
-    except _Unusual:
+    except MetadataFieldMissing:
         return False
 
 
@@ -124,7 +122,7 @@ def records_ok(storage: dict[Any, Any], cap: int) -> bool:
     """True when every ``storage_data`` record passes the per-item check (FMT-9, STORE-26)."""
     try:
         return _records_ok(storage, cap)
-    except _Unusual:
+    except MetadataFieldMissing:
         return False
 
 

@@ -30,12 +30,11 @@ import datetime
 import decimal
 import fractions
 import pathlib
-import pickle
 import re
 import uuid
 from typing import Any
 
-from refdcp.errors import RefdcpError
+from refdcp.storage.errors import UnsafeObjectError
 
 __all__ = ["UnsafeObjectError", "default_safe_globals", "refused_global", "unpickler_detail"]
 
@@ -97,35 +96,6 @@ def default_safe_globals() -> list[Any]:
         pathlib.PosixPath,
         pathlib.WindowsPath,
     ]
-
-
-class UnsafeObjectError(RefdcpError, pickle.UnpicklingError):
-    """A saved non-tensor value references a global outside the allow-list (LOAD-9).
-
-    Names the key, the refused class and the option that allows it.
-    """
-
-    def __init__(self, fqn: str, refused: str | None, detail: str = "") -> None:
-        if refused:
-            head = (
-                f"{fqn!r}: the saved value references {refused}, which refdcp does not "
-                "unpickle by default (naming it imports and may run code). If you trust this "
-                f"checkpoint, pass safe_globals=[{refused}] to refdcp.load (or to "
-                "DefaultLoadPlanner), or DefaultLoadPlanner(allow_pickle=True)"
-            )
-        else:
-            head = (
-                f"{fqn!r}: the saved value cannot be rebuilt by the weights-only unpickler "
-                f"({detail or 'unsupported pickle content'}). If you trust this checkpoint, "
-                "load it with DefaultLoadPlanner(allow_pickle=True)"
-            )
-        super().__init__(head + " (LOAD-9)")
-        self.fqn = fqn
-        self.refused = refused
-        self.detail = detail
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.fqn, self.refused, self.detail))
 
 
 def refused_global(message: str) -> str | None:
