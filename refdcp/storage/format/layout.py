@@ -1,4 +1,5 @@
-"""File names of a filesystem checkpoint (FMT-1, FMT-2, STORE-2)."""
+"""File names of a filesystem checkpoint (FMT-1, FMT-2, STORE-2), and the rule for data-file
+names read from ``.metadata`` (STORE-26): plain names only; ``storage/fs/paths.py`` opens them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import uuid
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import SavePlan
 
+from refdcp.storage.errors import UnsafePathError
+
 __all__ = [
+    "MAX_NAME_BYTES",
     "METADATA_NAME",
+    "check_data_name",
     "SavePrefix",
     "assign_rank_prefixes",
     "with_save_token",
@@ -106,3 +111,29 @@ def plan_token(plan: SavePlan) -> str | None:
     """The save token the coordinator gave this plan, if any."""
     data = plan.storage_data
     return data.token if isinstance(data, SavePrefix) and data.token else None
+
+
+MAX_NAME_BYTES = 255
+
+
+def check_data_name(name: object, *, file: str = METADATA_NAME, fqn: str | None = None) -> str:
+    """``name`` if it is a plain file name, else raise ``UnsafePathError`` (STORE-26)."""
+    who = f" (item {fqn!r})" if fqn is not None else ""
+    if not isinstance(name, str):
+        raise UnsafePathError(
+            f"{file}: data-file name{who} is a {type(name).__name__}, not a str; refusing it"
+        )
+    bad = (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
+    )
+    if bad:
+        raise UnsafePathError(
+            f"{file}: data-file name {name[:200]!r}{who} is not a plain file name inside the "
+            "checkpoint directory (separators, '..', absolute paths and empty names are refused)"
+        )
+    return name

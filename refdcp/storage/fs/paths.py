@@ -17,34 +17,9 @@ import stat
 from pathlib import Path
 
 from refdcp.storage.errors import UnsafePathError
-from refdcp.storage.format.layout import METADATA_NAME
+from refdcp.storage.format.layout import MAX_NAME_BYTES, check_data_name
 
 __all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact", "pread_into"]
-
-MAX_NAME_BYTES = 255
-
-
-def check_data_name(name: object, *, file: str = METADATA_NAME, fqn: str | None = None) -> str:
-    """``name`` if it is a plain file name, else raise ``UnsafePathError`` (STORE-26)."""
-    who = f" (item {fqn!r})" if fqn is not None else ""
-    if not isinstance(name, str):
-        raise UnsafePathError(
-            f"{file}: data-file name{who} is a {type(name).__name__}, not a str; refusing it"
-        )
-    bad = (
-        not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
-    )
-    if bad:
-        raise UnsafePathError(
-            f"{file}: data-file name {name[:200]!r}{who} is not a plain file name inside the "
-            "checkpoint directory (separators, '..', absolute paths and empty names are refused)"
-        )
-    return name
 
 
 def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None = None) -> int:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from refdcp.storage.errors import MalformedMetadataError
-from refdcp.storage.fs.paths import check_data_name
+from refdcp.storage.format.layout import check_data_name
 from refdcp.storage.metadata.bounded import restore_dcp_class
 from refdcp.storage.metadata.bulk import entries_ok, properties_fields_ok, records_ok
 from refdcp.storage.metadata.limits import MetadataLimits
