@@ -24,7 +24,8 @@ from refdcp.driver import Fault, SaveContext, simulate
 from refdcp.errors import CheckpointError
 from refdcp.planning import DefaultSavePlanner
 from refdcp.protocol import SAVE, Kind
-from refdcp.storage import FileSystemWriter, layout
+from refdcp.storage import FileSystemWriter
+from refdcp.storage.format import layout
 from refdcp.storage.fs.commit_mark import mark
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

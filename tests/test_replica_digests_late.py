@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
-from refdcp.planning import DefaultSavePlanner, ReplicaMismatchError, replica_late
+from refdcp.planning import DefaultSavePlanner, ReplicaMismatchError
+from refdcp.planning.dedup import deferred as replica_late
 from refdcp.planning.dedup.deferred import replica_value_problems
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.testing.spawn import run_gloo
