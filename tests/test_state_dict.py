@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import state_dict as tsd
 
-from refdcp import state_dict as rsd
+from refdcp.state import state_dict as rsd
 from refdcp.state.app_state import AppState
 
 OptFactory = Callable[[Any], torch.optim.Optimizer]
