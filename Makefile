@@ -21,7 +21,7 @@ setup:
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[test]"
 	touch $(VENV)/.setup-done
 
-# The main job on embedded defaults (refdcp/tools/demo.py): save at 4 fake ranks, load at 3
+# The main job on embedded defaults (refdcp/tools/demo/): save at 4 fake ranks, load at 3
 # with the step-by-step trace, verify, inspect, conformance; non-zero exit if a step fails.
 demo: $(VENV)/.setup-done
 	$(BIN)/python -m refdcp.tools.demo

@@ -118,7 +118,7 @@ def _coordinator_compare(ranks: int, shared: int, own: int, grouped: bool) -> fl
 
     import torch
 
-    from refdcp.planning.replica_late import RankDigests, group_of, replica_problems
+    from refdcp.planning.dedup.deferred import RankDigests, group_of, replica_problems
 
     values = [random.getrandbits(32) for _ in range(shared)]
     digests = []

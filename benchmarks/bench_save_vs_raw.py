@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import refdcp
     from benchmarks.bench_storage import raw_bandwidth
-    from refdcp.storage.filesystem import FileSystemWriter
+    from refdcp.storage.fs.filesystem import FileSystemWriter
 
     torch.set_num_threads(1)
     nbytes = int(args.gib * (1 << 30)) + (16 << 10)

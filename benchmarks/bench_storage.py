@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             "numpy.ma",  # numpy.unique's lazy import (global plan): 11 ms the first time
             "refdcp",
             "refdcp.storage",
-            "refdcp.storage.metadata_bulk",
-            "refdcp.storage.metadata_shape",
+            "refdcp.storage.metadata.bulk",
+            "refdcp.storage.metadata.shape",
         ]
     )
     root = tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir)

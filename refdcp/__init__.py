@@ -6,7 +6,6 @@ and stagers, each an implementation of torch's ABC of the same role.
 See ``spec/`` for the requirements every name here is held to.
 """
 
-from refdcp import _moved
 from refdcp.api import load, save
 from refdcp.asyncsave.checkpointer import Checkpointer
 from refdcp.asyncsave.default_stager import release_staging_buffers
@@ -31,8 +30,6 @@ from refdcp.storage import (
 )
 
 __version__ = "0.1.0"
-
-_moved.install()
 
 __all__ = [
     "AppState",

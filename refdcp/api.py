@@ -133,7 +133,7 @@ def save(
             if planner is None:
                 ctx.planner = None
     except BaseException:
-        from refdcp.storage.cleanup import abort_writer
+        from refdcp.storage.fs.cleanup import abort_writer
 
         abort_writer(ctx.writer)  # remove what this rank wrote, free the lock (STORE-31)
         raise
@@ -167,7 +167,7 @@ def _save_without_collectives(
     )
     result: Metadata | None = None
     failure: Failure | None = None
-    from refdcp.storage.cleanup import abort_writer
+    from refdcp.storage.fs.cleanup import abort_writer
 
     try:
         with gc_paused():

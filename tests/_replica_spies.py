@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from refdcp.planning import DefaultSavePlanner, local_plan, replica_late
+from refdcp.planning import DefaultSavePlanner, local_plan
+from refdcp.planning.dedup import deferred as replica_late
 
 
 class EarlyDigests(DefaultSavePlanner):

@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import refdcp
-import refdcp.storage.checked_read as checked_read
-import refdcp.storage.crc_pieces as crc_pieces
-import refdcp.storage.filesystem as filesystem
-import refdcp.storage.items as items
+import refdcp.crc.pieces as crc_pieces
+import refdcp.storage.format.items as items
+import refdcp.storage.fs.checked_read as checked_read
+import refdcp.storage.fs.filesystem as filesystem
+from refdcp.crc.pieces import PieceCrc, crc32c_combine, crc32c_shift
 from refdcp.errors import CheckpointError
 from refdcp.storage import CorruptionError, FileSystemWriter
-from refdcp.storage.crc_pieces import PieceCrc, crc32c_combine, crc32c_shift
-from refdcp.storage.items import checksum_of, data_offset_of
+from refdcp.storage.format.items import checksum_of, data_offset_of
 from tests.test_large_io import record_helper_pieces
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is")

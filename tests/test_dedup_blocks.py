@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-import refdcp.planning.dedup as dedup_module
-import refdcp.planning.dedup_blocks as blocks_module
+import refdcp.planning.dedup.blocks as blocks_module
+import refdcp.planning.dedup.classes as dedup_module
 import refdcp.planning.local_plan as local_plan
 from refdcp.planning import DefaultSavePlanner, PlanValidationError
-from refdcp.planning.dedup import dedup_items
+from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.planning.local_plan import (
     block_digests,

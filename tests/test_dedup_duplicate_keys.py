@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from refdcp.errors import CheckpointError
 from refdcp.planning import DefaultSavePlanner
-from refdcp.planning.dedup import dedup_items
+from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.local_plan import block_digests, item_key, save_items
 from refdcp.reference.dedup import reference_dedup
 

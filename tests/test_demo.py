@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from refdcp.tools import demo
+from refdcp.tools.demo import __main__ as demo_main
 from refdcp.tools.spec_report import repo_root
 
 STEPS = ["save", "load (resharded)", "trace", "verify", "inspect", "conformance"]
@@ -103,6 +104,6 @@ def test_readme_first_command_is_make_demo_and_ci_runs_it() -> None:
 @pytest.mark.parametrize("argv", [["--save-world", "0"], ["--load-world", "9"], ["--bogus"]])
 def test_demo_arguments_are_checked(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        demo.main(argv)
+        demo_main.main(argv)
     assert exc.value.code == 2
     assert "usage: refdcp" in capsys.readouterr().err

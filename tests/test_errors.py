@@ -10,13 +10,13 @@ import refdcp.errors as errors
 from refdcp.comm.fake import CollectiveMismatch as FakeCollectiveMismatch
 from refdcp.comm.fake import RankFailures
 from refdcp.driver.simulator import Deadlock
-from refdcp.planning.global_metadata import PlanValidationError
+from refdcp.planning.dedup.deferred import ReplicaMismatchError
 from refdcp.planning.load_policy import LoadPolicyError
-from refdcp.planning.replica_late import ReplicaMismatchError
+from refdcp.planning.metadata.build import PlanValidationError
 from refdcp.staging.buffer_pool import StagingTimeoutError
 from refdcp.state.state_dict import StateDictError
 from refdcp.storage import errors as storage_errors
-from refdcp.storage.items import MissingChecksumError as ItemsMissingChecksumError
+from refdcp.storage.format.items import MissingChecksumError as ItemsMissingChecksumError
 
 OWN = [
     errors.ProtocolError,

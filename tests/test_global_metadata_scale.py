@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from refdcp.planning import global_metadata
-from refdcp.planning.global_metadata import build_state_dict_metadata
+from refdcp.planning.metadata import build as global_metadata
+from refdcp.planning.metadata.build import build_state_dict_metadata
 
 
 def _item(fqn: str, off: tuple[int, ...], sz: tuple[int, ...], glob: tuple[int, ...]) -> WriteItem:

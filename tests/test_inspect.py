@@ -195,7 +195,7 @@ def test_cli_wiring(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_refdcp_written_checkpoint_golden(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from refdcp.storage.filesystem import FileSystemWriter
+    from refdcp.storage.fs.filesystem import FileSystemWriter
 
     ckpt = tmp_path / "refdcp"
     torch_save(ckpt, storage_writer=FileSystemWriter(ckpt))

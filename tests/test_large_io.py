@@ -16,13 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import refdcp
-import refdcp.storage.checked_read as checked_read
-import refdcp.storage.crc_pieces as crc_pieces
+import refdcp.crc.pieces as crc_pieces
+import refdcp.storage.fs.checked_read as checked_read
 import refdcp.storage.verify as verify_mod
+from refdcp.crc.kernel import KERNEL, KERNELS, crc32c
 from refdcp.errors import CheckpointError
 from refdcp.storage import CorruptionError, FileSystemWriter
-from refdcp.storage.crc import KERNEL, KERNELS, crc32c
-from refdcp.storage.items import checksum_of, data_offset_of, raw_view
+from refdcp.storage.format.items import checksum_of, data_offset_of, raw_view
 from refdcp.storage.verify import verify_checkpoint
 
 MiB = 1 << 20
@@ -32,7 +32,7 @@ MiB = 1 << 20
 def test_crc_is_standard_crc32c_whatever_the_kernel() -> None:
     assert crc32c is KERNELS[KERNEL]
     assert "crc32c" in KERNELS  # the fallback is always there
-    from refdcp.storage.crc import crc32c_small
+    from refdcp.crc.kernel import crc32c_small
 
     for kernel in [*KERNELS.values(), crc32c_small]:
         assert kernel(b"123456789") == 0xE3069283
@@ -46,7 +46,7 @@ def test_without_fastcrc_the_crc32c_package_is_used(monkeypatch: pytest.MonkeyPa
     import importlib.util
     import sys
 
-    import refdcp.storage.crc as crc_mod
+    import refdcp.crc.kernel as crc_mod
 
     monkeypatch.setitem(sys.modules, "fastcrc", None)  # "import fastcrc" raises ImportError
     spec = importlib.util.spec_from_file_location("_crc_without_fastcrc", crc_mod.__file__)
@@ -292,7 +292,7 @@ def test_large_save_works_in_a_forked_child(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The save's CRC helper threads are per process: a child forked after a save can save."""
-    import refdcp.storage.items as items
+    import refdcp.storage.format.items as items
 
     monkeypatch.setattr(items, "_ASYNC_CRC_BYTES", 64 << 10)
     _save_large(tmp_path / "parent", MiB // 4)  # the parent's CRC helper exists now

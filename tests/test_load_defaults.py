@@ -23,7 +23,7 @@ import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 from refdcp.storage import CorruptionError, FileSystemWriter
-from refdcp.storage.safe_globals import UnsafeObjectError, default_safe_globals
+from refdcp.storage.metadata.safe_globals import UnsafeObjectError, default_safe_globals
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -140,7 +140,7 @@ def test_refused_value_fails_every_rank(tmp_path: Path) -> None:
 
 
 def _flip_data_byte(path: Path, md: Any, fqn: str) -> None:
-    from refdcp.storage.items import data_offset_of
+    from refdcp.storage.format.items import data_offset_of
 
     (_idx, info), *_ = [(i, s) for i, s in md.storage_data.items() if i.fqn == fqn]
     f = path / info.relative_path

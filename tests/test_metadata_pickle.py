@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import refdcp
-from refdcp.storage.metadata_pickle import dumps_metadata, fast_reducers
-from refdcp.storage.safe_metadata import TRAILER_PREFIX, load_metadata
+from refdcp.storage.metadata.pickler import dumps_metadata, fast_reducers
+from refdcp.storage.metadata.safe import TRAILER_PREFIX, load_metadata
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import refdcp
-from refdcp.storage.safe_metadata import load_metadata
+from refdcp.storage.metadata.safe import load_metadata
 
 
 @pytest.mark.spec("META-8")

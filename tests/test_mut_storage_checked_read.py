@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import refdcp
-from refdcp.storage.checked_read import PIECE_BYTES, read_checked_into
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.safe_metadata import load_metadata
+from refdcp.storage.fs.checked_read import PIECE_BYTES, read_checked_into
+from refdcp.storage.metadata.safe import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

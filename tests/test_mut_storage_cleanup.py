@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import refdcp
-from refdcp.storage import layout
-from refdcp.storage.cleanup import (
+from refdcp.storage.format import layout
+from refdcp.storage.fs.cleanup import (
     abort_writer,
     committed_references,
     reclaim_orphans,
@@ -25,7 +25,7 @@ from refdcp.storage.cleanup import (
     token_of,
     wait_until_not_live,
 )
-from refdcp.storage.lock import acquire_save_lock
+from refdcp.storage.fs.lock import acquire_save_lock
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 import refdcp
 from refdcp.errors import RefdcpError
 from refdcp.storage import FileSystemReader
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.inplace import STREAM_CHUNK, FileSlice, locate_tensor_data, verify_streaming
+from refdcp.storage.fs.inplace import STREAM_CHUNK, FileSlice, locate_tensor_data, verify_streaming
 
 PAD = 4096 + 17  # the item starts this far into its file
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import refdcp
 from refdcp.storage.errors import CorruptionError, MissingChecksumError
-from refdcp.storage.items import (
+from refdcp.storage.format.items import (
     checksum_of,
     data_offset_of,
     encode_bytes,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from refdcp.storage.errors import ConcurrentSaveError
-from refdcp.storage.lock import acquire_save_lock, live_lock_tokens, lock_name
+from refdcp.storage.fs.lock import acquire_save_lock, live_lock_tokens, lock_name
 
 _BOOT = Path("/proc/sys/kernel/random/boot_id")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from refdcp.storage.errors import UnsafePathError
-from refdcp.storage.paths import (
+from refdcp.storage.fs.paths import (
     MAX_NAME_BYTES,
     check_data_name,
     open_data_file,

@@ -26,8 +26,8 @@ from refdcp.storage.errors import (
     MalformedMetadataError,
     UnsafeMetadataError,
 )
-from refdcp.storage.metadata_limits import MetadataLimits
-from refdcp.storage.safe_metadata import (
+from refdcp.storage.metadata.limits import MetadataLimits
+from refdcp.storage.metadata.safe import (
     DCP_VERSION,
     FORMAT_ATTR,
     REFDCP_FORMAT,

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import refdcp
 from refdcp.storage.errors import UnsafePathError
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.verify import (
     MetadataUnreadableError,
     Problem,

@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import refdcp
-from refdcp.storage import inplace, items
-from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
-from refdcp.storage.inplace import locate_tensor_data
-from refdcp.storage.items import ChunkIndex
+from refdcp.storage.format import items
+from refdcp.storage.format.items import ChunkIndex
+from refdcp.storage.fs import inplace
+from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
+from refdcp.storage.fs.inplace import locate_tensor_data
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

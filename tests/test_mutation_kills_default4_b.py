@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.safe_metadata import TRAILER_PREFIX, load_metadata, safe_loads
+from refdcp.storage.metadata.safe import TRAILER_PREFIX, load_metadata, safe_loads
 
 
 @pytest.mark.spec("INTEG-2")

@@ -20,11 +20,11 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan
 
 import refdcp
-import refdcp.storage.filesystem as fs
+import refdcp.storage.fs.filesystem as fs
 from refdcp.errors import CheckpointError
 from refdcp.storage import FileSystemReader, FileSystemWriter
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.inplace import locate_tensor_data
+from refdcp.storage.fs.inplace import locate_tensor_data
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -28,11 +28,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 import refdcp.planning.resharding as resharding
-from refdcp.planning.dedup import dedup_items
-from refdcp.planning.dedup_blocks import valid_blocks
-from refdcp.planning.global_metadata import build_state_dict_metadata
+from refdcp.planning.dedup.blocks import valid_blocks
+from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.loadable import loadability_problem
 from refdcp.planning.local_plan import block_digests, save_items
+from refdcp.planning.metadata.build import build_state_dict_metadata
 from refdcp.reference.dedup import reference_dedup
 
 # -- DEDUP-14: an empty cut of a non-empty plan is not a valid cut ------------------------

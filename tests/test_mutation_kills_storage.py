@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.planner import SavePlan
 import refdcp
 from refdcp.planning import DefaultLoadPlanner
 from refdcp.storage import FileSystemReader, FileSystemWriter
-from refdcp.storage.inplace import locate_tensor_data
-from refdcp.storage.items import INPLACE_MIN_BYTES, encode_tensor
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.format.items import INPLACE_MIN_BYTES, encode_tensor
+from refdcp.storage.fs.inplace import locate_tensor_data
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.verify import verify_checkpoint, verify_ranges
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

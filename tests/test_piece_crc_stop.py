@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from refdcp.storage import crc_pieces
-from refdcp.storage.crc import crc32c
-from refdcp.storage.crc_pieces import PieceCrc
+from refdcp.crc import pieces as crc_pieces
+from refdcp.crc.kernel import crc32c
+from refdcp.crc.pieces import PieceCrc
 
 PIECE = 1 << 12
 
@@ -101,7 +101,7 @@ def test_result_waits_for_the_helper_and_combines_every_piece(
 def test_the_table_shift_equals_the_matrix_shift_for_every_register_byte(crc: int, n: int) -> None:
     # registers with zero bytes and with every byte set exercise each table's first and
     # last entries; the piece size takes the table path inside _then, other sizes the matrix
-    from refdcp.storage.crc_pieces import _TABLES, _shift_by_tables, _then, crc32c_shift
+    from refdcp.crc.pieces import _TABLES, _shift_by_tables, _then, crc32c_shift
 
     _TABLES.pop(n, None)  # every case builds its tables (a cached table hides their making)
     assert _shift_by_tables(crc, n) == crc32c_shift(crc, n)
@@ -112,7 +112,7 @@ def test_the_table_shift_equals_the_matrix_shift_for_every_register_byte(crc: in
 def test_combining_pieces_equals_one_pass_over_random_data() -> None:
     import random
 
-    from refdcp.storage.crc_pieces import crc32c_combine
+    from refdcp.crc.pieces import crc32c_combine
 
     rng = random.Random(11)
     for _ in range(200):

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refdcp.planning import DefaultSavePlanner, LocalShards, PlanValidationError
-from refdcp.planning.dedup import dedup_items
+from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.local_plan import chunk_nbytes, item_key, save_items
 from refdcp.planning.simulate import simulate_save
 
@@ -175,7 +175,7 @@ def test_out_of_bounds_chunk_from_a_custom_item() -> None:
     )
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from refdcp.planning.global_metadata import build_state_dict_metadata
+    from refdcp.planning.metadata.build import build_state_dict_metadata
 
     bad = WriteItem(
         index=MetadataIndex("x", torch.Size([3])),
@@ -228,7 +228,7 @@ def test_object_checksum_does_not_depend_on_the_hash_seed() -> None:
 @pytest.mark.spec("META-4")
 def test_rank_without_chunks_must_agree_on_dtype_and_shape() -> None:
     from refdcp.planning import LocalShards
-    from refdcp.planning.global_metadata import PlanValidationError
+    from refdcp.planning.metadata.build import PlanValidationError
     from refdcp.planning.simulate import simulate_save
 
     states = [

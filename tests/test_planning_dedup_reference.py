@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refdcp.planning.dedup import dedup_items
+from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.local_plan import chunk_nbytes, item_key, save_items
 from refdcp.reference.dedup import reference_dedup
 from tests._dedup_cases import checksums_and_options

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from refdcp.planning.global_metadata import build_state_dict_metadata
+from refdcp.planning.metadata.build import build_state_dict_metadata
 from refdcp.reference.metadata import reference_metadata_problems
 
 KINDS = {

@@ -22,8 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.planner import WriteItem
 
-import refdcp.planning.dedup as dedup_module
-from refdcp.planning.dedup import DedupResult, dedup_items
+import refdcp.planning.dedup.greedy as greedy_module
+from refdcp.planning.dedup.classes import DedupResult, dedup_items
 from refdcp.planning.local_plan import ItemKey, chunk_nbytes, item_key, plan_digest, save_items
 
 
@@ -165,7 +165,7 @@ def test_most_loaded_rule_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deliberately wrong rule of issue 13 (most loaded holder) fails the property."""
     plans = mesh_plans(2, 2, [[40, 30], [40, 30]], own=[100, 0, 0, 100], full=[])
     check_dedup(plans, dedup_items(plans))  # the real rule passes
-    monkeypatch.setattr(dedup_module, "min", max, raising=False)  # min(holders) -> max(holders)
+    monkeypatch.setattr(greedy_module, "min", max, raising=False)  # min(holders) -> max(holders)
     wrong = dedup_items(plans)
     assert wrong.rank_bytes() != [100, 70, 70, 100], "the injected rule did not take effect"
     with pytest.raises(AssertionError, match="before its last replicated item"):

@@ -11,13 +11,13 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 import refdcp
-import refdcp.storage.filesystem as fs
+import refdcp.storage.fs.filesystem as fs
 from refdcp.errors import RefdcpError
 from refdcp.planning import DefaultSavePlanner
 from refdcp.staging.buffer_pool import BufferPool
 from refdcp.staging.tree import layout_of
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
+from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
 
 
 def _data_file(path: Path) -> Path:
@@ -159,7 +159,7 @@ def test_a_file_shrinking_under_a_read_is_named_not_delivered(tmp_path: Path) ->
 
 @pytest.mark.spec("INTEG-3")
 def test_verifying_a_short_blob_says_truncated(tmp_path: Path) -> None:
-    from refdcp.storage.items import verify_blob
+    from refdcp.storage.format.items import verify_blob
 
     refdcp.save({"w": torch.arange(16.0)}, checkpoint_id=str(tmp_path), no_dist=True)
     md = FileSystemReader(tmp_path).read_metadata()

@@ -16,13 +16,13 @@ from torch.distributed.checkpoint.filesystem import _split_by_size_and_type
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 import refdcp
-import refdcp.storage.filesystem as fs
+import refdcp.storage.fs.filesystem as fs
 from refdcp.errors import RefdcpError
 from refdcp.planning import DefaultSavePlanner
 from refdcp.planning.local_plan import save_items
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter, split_into_buckets
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter, split_into_buckets
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 
 DTYPES = [torch.float32, torch.float16, torch.int8, torch.int64, torch.bool, torch.complex64]
 
@@ -210,8 +210,8 @@ def test_without_collectives_rank_zeros_metadata_marks_a_committed_checkpoint(
 ) -> None:
     """Without collectives each rank commits ``__{rank}.metadata``: rank 1 is refused by its own
     committed file, not by rank 0's (the round-1 code checked ``__0.metadata`` on every rank)."""
-    from refdcp.storage import layout
     from refdcp.storage.errors import CheckpointExistsError
+    from refdcp.storage.format import layout
 
     (tmp_path / layout.rank_metadata_name(0)).write_bytes(b"x")
     w = FileSystemWriter(tmp_path, overwrite=False)

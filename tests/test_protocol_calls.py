@@ -345,8 +345,8 @@ def test_checkpoint_error_keeps_original_exceptions_and_tracebacks() -> None:
 @pytest.mark.spec("ERR-3")
 def test_refdcp_errors_survive_pickling() -> None:
     """Errors travel between ranks pickled; each must come back with the same message."""
-    from refdcp.planning.global_metadata import PlanValidationError
     from refdcp.planning.load_policy import LoadPolicyError
+    from refdcp.planning.metadata.build import PlanValidationError
     from refdcp.storage.errors import CorruptionError
 
     errors: list[BaseException] = [

@@ -25,9 +25,9 @@ import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.protocol.machine import Kind
 from refdcp.storage import FileSystemWriter
-from refdcp.storage import filesystem as fs_mod
-from refdcp.storage.cleanup import reclaim_orphans, token_of
-from refdcp.storage.lock import acquire_save_lock
+from refdcp.storage.fs import filesystem as fs_mod
+from refdcp.storage.fs.cleanup import reclaim_orphans, token_of
+from refdcp.storage.fs.lock import acquire_save_lock
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import refdcp
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.tools.cli import main
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

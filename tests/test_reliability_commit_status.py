@@ -17,15 +17,16 @@ import pytest
 import torch
 
 import refdcp
-import refdcp.storage.filesystem as fs
+import refdcp.storage.fs.filesystem as fs
 from refdcp.comm import FakeWorld
 from refdcp.comm.fake import FakeComm
 from refdcp.driver import Fault, SaveContext, simulate
 from refdcp.errors import CheckpointError
 from refdcp.planning import DefaultSavePlanner
 from refdcp.protocol import SAVE, Kind
-from refdcp.storage import FileSystemWriter, layout
-from refdcp.storage.commit_mark import mark
+from refdcp.storage import FileSystemWriter
+from refdcp.storage.format import layout
+from refdcp.storage.fs.commit_mark import mark
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -23,10 +23,10 @@ import torch
 
 import refdcp
 from refdcp.storage import FileSystemWriter
-from refdcp.storage import lock as lock_mod
-from refdcp.storage.cleanup import token_of
 from refdcp.storage.errors import ConcurrentSaveError
-from refdcp.storage.lock import acquire_save_lock, live_lock_tokens
+from refdcp.storage.fs import lock as lock_mod
+from refdcp.storage.fs.cleanup import token_of
+from refdcp.storage.fs.lock import acquire_save_lock, live_lock_tokens
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import refdcp
 from refdcp.storage import FileSystemReader, UnsafeMetadataError
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.verify import MetadataUnreadableError, verify_checkpoint
 from refdcp.tools.inspect import inspect_command
 
@@ -172,7 +172,7 @@ def test_a_huge_sparse_metadata_is_refused_unread(
 
 @pytest.mark.spec("FMT-10")
 def test_limits_are_configurable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from refdcp.storage.metadata_limits import set_metadata_limits
+    from refdcp.storage.metadata.limits import set_metadata_limits
 
     path = _ckpt(tmp_path)
     size = (path / ".metadata").stat().st_size

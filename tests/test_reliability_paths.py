@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 import refdcp
 from refdcp.storage import FileSystemReader
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.verify import verify_checkpoint
 from refdcp.tools.verify import verify_command
 

@@ -19,7 +19,7 @@ from hypothesis import given
 
 import refdcp
 from refdcp.storage import MemoryStorage
-from refdcp.storage.tensor_values import bytes_are_values, values_tensor
+from refdcp.storage.format.tensor_values import bytes_are_values, values_tensor
 from refdcp.storage.verify import verify_checkpoint
 from tests.strategies import VIEW_KINDS, expected, make_view, tensor_dicts
 

@@ -12,7 +12,8 @@ import torch
 import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
-from refdcp.planning import local_plan, replica_late
+from refdcp.planning import local_plan
+from refdcp.planning.dedup import deferred as replica_late
 from refdcp.testing.spawn import run_gloo
 from tests._replica_spies import EarlyDigests, count_digested
 

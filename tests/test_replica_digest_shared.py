@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-import refdcp.storage.crc_pieces as crc_pieces
+import refdcp.crc.pieces as crc_pieces
+from refdcp.crc.kernel import KERNELS, crc32c
+from refdcp.crc.pieces import HELPER_PIECE_BYTES, crc32c_each
 from refdcp.planning.local_plan import replica_checksums, save_items, tensor_checksum
-from refdcp.storage.crc import KERNELS, crc32c
-from refdcp.storage.crc_pieces import HELPER_PIECE_BYTES, crc32c_each
 
 P = HELPER_PIECE_BYTES
 SIZES = [0, 1, 4095, P - 1, P, P + 1, 2 * P + 3, 9 * P + 7]

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
-from refdcp.planning import DefaultSavePlanner, ReplicaMismatchError, replica_late
+from refdcp.planning import DefaultSavePlanner, ReplicaMismatchError
+from refdcp.planning.dedup import deferred as replica_late
+from refdcp.planning.dedup.deferred import replica_value_problems
 from refdcp.planning.flatten import RESERVED_KEY
-from refdcp.planning.replica_late import replica_value_problems
 from refdcp.testing.spawn import run_gloo
 from tests._replica_spies import EarlyDigests, count_digested
 
@@ -352,7 +353,7 @@ def test_writers_record_the_value_digest_the_planner_computes(
 ) -> None:
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from refdcp.storage.records import VALUE_CRC_ATTR, value_crc_of
+    from refdcp.storage.format.records import VALUE_CRC_ATTR, value_crc_of
 
     values = {
         "plain": torch.randn(SIZES[size]),
@@ -374,8 +375,8 @@ def test_writers_record_the_value_digest_the_planner_computes(
     assert not any(hasattr(r.storage_data, VALUE_CRC_ATTR) for r in results)  # not stored
     # the digest is the CRC-32C of the values continued from the frame's head CRC
     plain = values["plain"]
-    seed = refdcp.storage.items.value_digest_seed(plain)
-    from refdcp.storage.crc import crc32c
+    seed = refdcp.storage.format.items.value_digest_seed(plain)
+    from refdcp.crc.kernel import crc32c
 
     assert got["plain"] == crc32c(plain.numpy().tobytes(), seed)
 
@@ -537,7 +538,7 @@ def test_ranks_with_equal_plans_and_values_send_one_group(tmp_path: Any) -> None
 
 @pytest.mark.spec("DEDUP-17")
 def test_a_repeated_group_is_screened_once_and_still_named() -> None:
-    from refdcp.planning.replica_late import RankDigests, replica_problems
+    from refdcp.planning.dedup.deferred import RankDigests, replica_problems
 
     a, b = ("a", None), ("b", None)
     same = {a: 1, b: 2}
@@ -552,7 +553,7 @@ def test_a_repeated_group_is_screened_once_and_still_named() -> None:
         "ranks [0] hold checksum 0x00000003; ranks [1, 2] hold checksum 0x00000002"
     ]
     screened: list[Any] = []
-    from refdcp.planning import replica_late
+    from refdcp.planning.dedup import deferred as replica_late
 
     real = replica_late.replica_value_problems
 

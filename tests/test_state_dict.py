@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import state_dict as tsd
 
-from refdcp import state_dict as rsd
+from refdcp.state import state_dict as rsd
 from refdcp.state.app_state import AppState
 
 OptFactory = Callable[[Any], torch.optim.Optimizer]
@@ -276,7 +276,7 @@ def _storage(kind: str, path: Path) -> dict[str, Any]:
     """Where dcp.save/load put the checkpoint: torch's default storage or refdcp's."""
     if kind == "torch":
         return {"save": {"checkpoint_id": path}, "load": {"checkpoint_id": path}}
-    from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
+    from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
 
     return {
         "save": {"storage_writer": FileSystemWriter(path)},

@@ -17,7 +17,7 @@ def _fsdp2_compare(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from refdcp import state_dict as rsd
+    from refdcp.state import state_dict as rsd
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.storage import CheckpointExistsError, FileSystemReader, FileSystemWriter
-from refdcp.storage import filesystem as fs_mod
-from refdcp.storage.filesystem import split_into_buckets
+from refdcp.storage.fs import filesystem as fs_mod
+from refdcp.storage.fs.filesystem import split_into_buckets
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -403,7 +403,7 @@ def test_resharded_reads_fetch_only_the_rows_they_need(
 ) -> None:
     import refdcp
     from refdcp.comm import FakeWorld
-    from refdcp.storage import filesystem
+    from refdcp.storage.fs import filesystem
 
     full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     refdcp.save({"w": full}, storage_writer=FileSystemWriter(tmp_path, sync_files=False), no_dist=True)

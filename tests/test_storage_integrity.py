@@ -27,8 +27,8 @@ from refdcp.storage import (
     UnsafeMetadataError,
     verify_checkpoint,
 )
-from refdcp.storage.items import CRC_ATTR, DATA_OFFSET_ATTR
-from refdcp.storage.safe_metadata import dump_metadata, load_metadata
+from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.tools.verify import verify_command
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -169,7 +169,7 @@ def test_torch_checkpoint_reads_but_cannot_verify(tmp_path: Path) -> None:
     report = verify_checkpoint(tmp_path)
     assert report.ok and report.items_checked == 0 and report.items_without_checksum == 4
     with pytest.raises(MissingChecksumError):
-        from refdcp.storage.items import verify_blob
+        from refdcp.storage.format.items import verify_blob
 
         verify_blob(
             b"",

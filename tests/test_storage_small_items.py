@@ -12,9 +12,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 import refdcp
-from refdcp.storage.items import encode_tensor, make_storage_info
-from refdcp.storage.records import FAST, storage_info, write_result
-from refdcp.storage.small_tensors import SMALL_MAX_BYTES, small_tensor_parts
+from refdcp.storage.format.items import encode_tensor, make_storage_info
+from refdcp.storage.format.records import FAST, storage_info, write_result
+from refdcp.storage.format.small_tensors import SMALL_MAX_BYTES, small_tensor_parts
 
 PLAIN = [
     torch.arange(6, dtype=torch.float32).reshape(2, 3),

@@ -23,12 +23,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.utils import _create_file_view
 
-import refdcp.storage.filesystem as fs_mod
-import refdcp.storage.items as items_mod
+import refdcp.storage.format.items as items_mod
+import refdcp.storage.fs.filesystem as fs_mod
 from refdcp.storage import CorruptionError, FileSystemReader, FileSystemWriter
-from refdcp.storage.inplace import FileSlice, locate_tensor_data
-from refdcp.storage.items import DATA_OFFSET_ATTR, MissingChecksumError, encode_tensor
-from refdcp.storage.zipframe import ZIP64_LIMIT, frame_for, parse_data_span
+from refdcp.storage.format.items import DATA_OFFSET_ATTR, MissingChecksumError, encode_tensor
+from refdcp.storage.format.zipframe import ZIP64_LIMIT, frame_for, parse_data_span
+from refdcp.storage.fs.inplace import FileSlice, locate_tensor_data
 from tests.test_storage_compat import DTYPES, blank, compare, local_state, make_tensor
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

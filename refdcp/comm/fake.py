@@ -19,7 +19,6 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,27 +28,10 @@ from refdcp.errors import (
     CollectiveMismatch,
     CommAborted,
     CommTimeout,
-    RefdcpError,
+    RankFailures,
 )
 
 __all__ = ["CollectiveMismatch", "FakeComm", "FakeWorld", "RankFailures"]
-
-
-class RankFailures(RefdcpError):
-    """Some ranks of a :meth:`FakeWorld.run` raised (COMM-34).
-
-    ``exceptions`` maps rank -> exception for the ranks that raised;
-    ``results`` maps rank -> return value for the ranks that returned.
-    """
-
-    def __init__(self, exceptions: dict[int, BaseException], results: dict[int, Any]) -> None:
-        self.exceptions = dict(sorted(exceptions.items()))
-        self.results = dict(sorted(results.items()))
-        parts = [f"rank(s) {sorted(self.exceptions)} raised"]
-        for rank, exc in self.exceptions.items():
-            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            parts.append(f"--- rank {rank}: {type(exc).__name__}: {exc}\n{text.rstrip()}")
-        super().__init__("\n".join(parts))
 
 
 @dataclass

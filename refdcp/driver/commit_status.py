@@ -19,7 +19,7 @@ from __future__ import annotations
 from refdcp.errors import CheckpointError, CommError, FailureReport
 from refdcp.protocol.machine import COLLECTIVES, State, Table
 from refdcp.protocol.save import COMMIT_STEP
-from refdcp.storage.commit_mark import COMMIT_ATTR, MISSING, declared, mark
+from refdcp.storage.fs.commit_mark import COMMIT_ATTR, MISSING, declared, mark
 
 __all__ = [
     "COMMIT_ATTR",
@@ -27,7 +27,7 @@ __all__ = [
     "mark",
     "mark_finish_error",
     "pending_phases",
-    "settle",
+    "with_declared_status",
     "status_after_comm_error",
     "with_status",
 ]
@@ -39,7 +39,7 @@ def mark_finish_error(exc: BaseException) -> None:
         mark(exc, None)
 
 
-def settle(error: FailureReport) -> FailureReport:
+def with_declared_status(error: FailureReport) -> FailureReport:
     """The coordinator's error, with the status its failed ``finish`` declared (SAVE-16).
 
     Only a failure at the commit step whose exception was marked by the commit

@@ -10,14 +10,10 @@ only "a peer". The commit status is the truthful one (SAVE-15).
 from __future__ import annotations
 
 from refdcp.driver.commit_status import status_after_comm_error
-from refdcp.errors import CheckpointError, CommError, Failure
+from refdcp.errors import CheckpointError, CommError, Failure, PeerLost
 from refdcp.protocol.machine import Action, State, Table
 
 __all__ = ["PeerLost", "comm_failure_error"]
-
-
-class PeerLost(CommError):
-    """Stands for a rank that did not join a collective: it left, died, or is late (COMM-61)."""
 
 
 def comm_failure_error(

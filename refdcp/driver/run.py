@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from refdcp.comm.base import Communicator
-from refdcp.driver.commit_status import settle
+from refdcp.driver.commit_status import with_declared_status
 from refdcp.driver.peers import comm_failure_error
 from refdcp.errors import CheckpointError, CommError, Failure, FailureReport
 from refdcp.protocol.machine import Action, Event, Kind, On, State, Table
@@ -97,7 +97,7 @@ def fan_in_payload(ctx: _Ctx, action: Action) -> Any:
 
 def fan_out_payload(ctx: _Ctx, action: Action, world_size: int) -> Any:
     if action.error is not None:
-        error = settle(action.error)  # the status a failed finish declared (SAVE-16)
+        error = with_declared_status(action.error)  # the status a failed finish declared (SAVE-16)
         return [error] * world_size if action.kind is Kind.SCATTER else error
     assert action.send is not None
     return ctx.payload(action.send)

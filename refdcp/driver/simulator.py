@@ -32,18 +32,10 @@ from refdcp.driver.run import (
     record,
     terminal,
 )
-from refdcp.errors import CommAborted, RefdcpError
+from refdcp.errors import CommAborted, Deadlock, InjectedFault
 from refdcp.protocol.machine import COLLECTIVES, TERMINAL, Action, Event, Kind, State, Table
 
 __all__ = ["Deadlock", "Fault", "InjectedFault", "SimResult", "simulate"]
-
-
-class InjectedFault(RuntimeError):
-    """The exception a :class:`Fault` raises."""
-
-
-class Deadlock(RefdcpError):
-    """Ranks would wait forever in a real process group."""
 
 
 @dataclass(frozen=True)

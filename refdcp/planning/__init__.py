@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from .errors import (
+    LoadPolicyError,
+    PlanCacheError,
+    PlanValidationError,
+    ReplicaMismatchError,
+    UnloadableValueError,
+)
 from .flatten import flatten_state_dict, unflatten_state_dict
-from .global_metadata import PlanValidationError
 from .load_planner import DefaultLoadPlanner
-from .load_policy import LoadPolicy, LoadPolicyError
+from .load_policy import LoadPolicy
 from .local_shards import LocalShards
-from .replica_late import ReplicaMismatchError
 from .save_planner import DefaultSavePlanner
 
 __all__ = [
@@ -16,8 +21,10 @@ __all__ = [
     "LoadPolicy",
     "LoadPolicyError",
     "LocalShards",
+    "PlanCacheError",
     "PlanValidationError",
     "ReplicaMismatchError",
+    "UnloadableValueError",
     "flatten_state_dict",
     "unflatten_state_dict",
 ]

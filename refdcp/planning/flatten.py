@@ -173,6 +173,9 @@ def encode_structure(flat: Flattened) -> dict[str, Any]:
         rp = flat.rich[fqn]
         if rp != _plain_rich(flat.paths[fqn]):
             rich[fqn] = rp
+    # persisted in .metadata (planner_data[RESERVED_KEY]): "rich" maps an FQN to its typed path
+    # where that is not the plain one, "empties" lists empty containers; the key names stay
+    # as written so that every checkpoint already saved keeps loading
     return {"version": 1, "rich": rich, "empties": list(flat.empties)}
 
 

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
-from refdcp.storage.safe_globals import (
+from refdcp.storage.fs.small_reads import register_default_methods
+from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
     default_safe_globals,
     refused_global,
@@ -217,3 +218,6 @@ def _coverage_problems(
                 f"{list(t.offsets)} sizes {list(t.sizes)} ({got} of {want} elements read)"
             )
     return out
+
+
+register_default_methods(DefaultLoadPlanner)  # its resolve/commit are the defaults (STORE-47)

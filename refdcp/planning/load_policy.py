@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from refdcp.errors import ProblemsError
+from refdcp.planning.errors import LoadPolicyError
 
 from .flatten import is_tensor_like
 
@@ -36,12 +36,6 @@ class LoadPolicy:
     reject_unexpected: bool = False
     allow_cast: bool = False
     allow_pickle: bool = False
-
-
-class LoadPolicyError(ProblemsError):
-    """The state dict does not fit the checkpoint; ``problems`` lists every mismatch (POLICY-1)."""
-
-    headline = "state_dict does not match the checkpoint"
 
 
 def _dest_dtype(obj: Any) -> torch.dtype | None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from refdcp.errors import ProblemsError
-from refdcp.storage.safe_globals import default_safe_globals
+from refdcp.planning.errors import UnloadableValueError
+from refdcp.storage.metadata.safe_globals import default_safe_globals
 
 __all__ = [
     "UnloadableValueError",
@@ -28,12 +28,6 @@ __all__ = [
     "refuse_unloadable",
     "staging_refusal",
 ]
-
-
-class UnloadableValueError(ProblemsError):
-    """Values refused at save: one line per key, naming type, cause and the allowing option (SAVE-12)."""
-
-    headline = "refdcp.save refused values that cannot be saved or could never be loaded"
 
 
 def _type_name(value: Any) -> str:

@@ -24,16 +24,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from refdcp.storage.crc import crc32c, crc32c_small
-from refdcp.storage.crc_pieces import (
+from refdcp.crc.kernel import crc32c, crc32c_small
+from refdcp.crc.pieces import (
     EACH_SHARE_MIN_BYTES,
     HELPER_PIECE_BYTES,
     TwoEnds,
     crc32c_pieces,
     helpers_if_cpu_free,
 )
-from refdcp.storage.items import raw_view, value_digest_seed
-from refdcp.storage.records import fields_are
+from refdcp.storage.format.items import raw_view, value_digest_seed
+from refdcp.storage.format.records import fields_are
 
 __all__ = [
     "BLOCK_SPACING",

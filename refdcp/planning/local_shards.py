@@ -175,7 +175,7 @@ def _check_chunks(shape: torch.Size, pairs: list[tuple[torch.Size, torch.Tensor]
             raise ValueError(
                 f"chunk at {tuple(off)} of shape {tuple(t.shape)} exceeds {tuple(shape)}"
             )
-    from .global_metadata import find_overlaps  # the sweep the metadata check uses (META-3)
+    from .metadata.build import find_overlaps  # the sweep the metadata check uses (META-3)
 
     boxes = [(tuple(off), tuple(t.shape), i) for i, (off, t) in enumerate(pairs) if t.numel() > 0]
     overlaps = find_overlaps(boxes)

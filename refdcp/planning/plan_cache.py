@@ -20,16 +20,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from refdcp.errors import RefdcpError
+from refdcp.planning.errors import PlanCacheError
 
 from .flatten import Flattened, encode_structure, is_tensor_like
 from .local_plan import ItemKey, _signature, item_key, object_write_items
 
 __all__ = ["GlobalPlanCache", "LocalPlanCache", "PlanCacheError", "structure_fingerprint"]
-
-
-class PlanCacheError(RefdcpError, RuntimeError):
-    """A rank sent a cached-plan marker the coordinator cannot resolve (PLAN-11)."""
 
 
 def _tensor_structure(t: torch.Tensor) -> tuple[Any, ...]:

@@ -23,12 +23,18 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from refdcp.errors import ProtocolError
-from refdcp.storage.records import value_crc_of
+from refdcp.storage.format.records import value_crc_of
 
-from .dedup import dedup_items
-from .dedup_blocks import valid_blocks
+from .dedup.blocks import valid_blocks
+from .dedup.classes import dedup_items
+from .dedup.deferred import (
+    DigestJob,
+    RankDigests,
+    ReplicaMismatchError,
+    group_of,
+    replica_problems,
+)
 from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
-from .global_metadata import PlanValidationError, build_state_dict_metadata
 from .loadable import refuse_unloadable
 from .local_plan import (
     chunkless_tensors,
@@ -39,14 +45,8 @@ from .local_plan import (
     resolve_tensor_chunk,
     save_items,
 )
+from .metadata.build import PlanValidationError, build_state_dict_metadata
 from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
-from .replica_late import (
-    DigestJob,
-    RankDigests,
-    ReplicaMismatchError,
-    group_of,
-    replica_problems,
-)
 
 __all__ = ["DefaultSavePlanner"]
 
@@ -114,12 +114,12 @@ class DefaultSavePlanner(SavePlanner):
         self._local_cache = LocalPlanCache()
         self._global_cache: GlobalPlanCache | None = None
         self._coordinator_shared: list[WriteItem] = []
-        self._late = False  # this save digests tensor replicas while writing (DEDUP-17)
-        self._late_items: list[WriteItem] | None = None
-        self._late_job: DigestJob | None = None
-        self._late_written: list[WriteItem] = []  # digested by the writer on the way
-        self._late_keys: list[Any] = []  # every digested key, in the items' order
-        self._late_structure: bytes | None = None  # names those keys (RankDigests.group)
+        self._deferred = False  # this save digests tensor replicas while writing (DEDUP-17)
+        self._deferred_items: list[WriteItem] | None = None
+        self._deferred_job: DigestJob | None = None
+        self._deferred_written: list[WriteItem] = []  # digested by the writer on the way
+        self._deferred_keys: list[Any] = []  # every digested key, in the items' order
+        self._deferred_structure: bytes | None = None  # names those keys (RankDigests.group)
         self._plan_digest: str | None = None  # the digest of this save's local items (PLAN-15)
 
     def set_up_planner(
@@ -132,8 +132,8 @@ class DefaultSavePlanner(SavePlanner):
             self.flat = flatten_state_dict(state_dict)
         self.storage_meta = storage_meta
         self.is_coordinator = is_coordinator
-        self._late, self._late_items, self._late_job = False, None, None
-        self._late_written, self._late_keys, self._late_structure = [], [], None
+        self._deferred, self._deferred_items, self._deferred_job = False, None, None
+        self._deferred_written, self._deferred_keys, self._deferred_structure = [], [], None
         self._plan_digest = None
 
     def defer_replica_digests(self) -> None:
@@ -142,12 +142,12 @@ class DefaultSavePlanner(SavePlanner):
         Only for a driver that then sends :meth:`replica_digests_after_write` to
         the coordinator's :meth:`check_replicas_after_write` before the commit.
         """
-        self._late = self.check_replicas
+        self._deferred = self.check_replicas
 
     def _replica_sums(self, items: list[WriteItem]) -> dict[Any, int]:
         """The digests the plan carries; tensors' are left for the write when deferred."""
-        if self._late:
-            self._late_items = items
+        if self._deferred:
+            self._deferred_items = items
             return replica_checksums(self.flat.items, items, tensors=False)
         return replica_checksums(self.flat.items, items)
 
@@ -181,7 +181,7 @@ class DefaultSavePlanner(SavePlanner):
             marker = {
                 "cached": self._local_cache.fingerprint_id,
                 "checksums": sums,
-                "deferred_checksums": self._token if deferred else None,
+                "deferred_token": self._token if deferred else None,
             }
             self._local_cache.pending = None
             self.plan = SavePlan([], planner_data={RESERVED_KEY: marker}, usable=False)
@@ -205,7 +205,7 @@ class DefaultSavePlanner(SavePlanner):
             "checksums": sums,
             "chunkless": chunkless_tensors(self.flat.items, items),
             # the coordinator digests only its items other ranks hold, in create_global_plan
-            "deferred_checksums": self._token if deferred else None,
+            "deferred_token": self._token if deferred else None,
         }
         if fingerprint is not None:
             fid = uuid.uuid4().int >> 64  # names this structure in the coordinator's cache
@@ -225,9 +225,9 @@ class DefaultSavePlanner(SavePlanner):
     ) -> tuple[list[SavePlan], Metadata]:
         """Reuse the cached global plan when every rank's structure is unchanged (PLAN-10),
         else rebuild it from the changed plans and the cached ones (PLAN-11)."""
-        extras = [_extras(p) for p in all_plans]
+        refdcp_data = [_refdcp_data(p) for p in all_plans]
         cache = self._global_cache
-        markers = [e.get("cached") is not None for e in extras]
+        markers = [e.get("cached") is not None for e in refdcp_data]
         if any(markers):
             if cache is None or len(cache.all_plans) != len(all_plans):
                 raise PlanCacheError(
@@ -237,7 +237,7 @@ class DefaultSavePlanner(SavePlanner):
                 )
             stale = [
                 r
-                for r, e in enumerate(extras)
+                for r, e in enumerate(refdcp_data)
                 if markers[r] and e["cached"] != cache.fingerprint_ids[r]
             ]
             if stale:
@@ -245,7 +245,7 @@ class DefaultSavePlanner(SavePlanner):
                     f"ranks {stale} reuse cached plans the coordinator does not hold (PLAN-11)"
                 )
         if cache is not None and all(markers):
-            sums = self._marker_checksums(extras, cache)
+            sums = self._marker_checksums(refdcp_data, cache)
             if not self.check_replicas or cache.replicas_agree(sums):
                 unchanged = [SavePlan([], usable=False) for _ in all_plans]
                 return unchanged, dataclasses.replace(cache.metadata)
@@ -253,45 +253,47 @@ class DefaultSavePlanner(SavePlanner):
             assert cache is not None
             all_plans = [
                 _with_new_checksums(cache.all_plans[r], e) if markers[r] else p
-                for r, (p, e) in enumerate(zip(all_plans, extras))
+                for r, (p, e) in enumerate(zip(all_plans, refdcp_data))
             ]
         self._coordinator_shared = []
         plans, metadata = self._create_global_plan(all_plans)
         self._global_cache = GlobalPlanCache.build(
-            all_plans, [_extras(p) for p in all_plans], plans, metadata
+            all_plans, [_refdcp_data(p) for p in all_plans], plans, metadata
         )
         self._global_cache.coordinator_shared = self._coordinator_shared
         return plans, dataclasses.replace(metadata)
 
-    def _marker_checksums(self, extras: list[dict[str, Any]], cache: GlobalPlanCache) -> list[Any]:
+    def _marker_checksums(
+        self, refdcp_data: list[dict[str, Any]], cache: GlobalPlanCache
+    ) -> list[Any]:
         """Each rank's replica digests; the coordinator's own for the keys others hold (DEDUP-13)."""
-        sums: list[Any] = [e.get("checksums") for e in extras]
-        for r, e in enumerate(extras):
-            if self.check_replicas and e.get("deferred_checksums") == self._token:
+        sums: list[Any] = [e.get("checksums") for e in refdcp_data]
+        for r, e in enumerate(refdcp_data):
+            if self.check_replicas and e.get("deferred_token") == self._token:
                 sums[r] = self._replica_sums(cache.coordinator_shared)
         return sums
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        extras = [_extras(p) for p in all_plans]
-        self._fill_deferred_digest(all_plans, extras)
-        digests = [e.get("digest") for e in extras]
+        refdcp_data = [_refdcp_data(p) for p in all_plans]
+        self._fill_deferred_digest(all_plans, refdcp_data)
+        digests = [e.get("digest") for e in refdcp_data]
         if len(all_plans) == 1 and digests[0] is None:
             digests = ["the only rank"]  # one plan: nothing to group it with
-        self._fill_deferred_checksums(all_plans, extras)
+        self._fill_deferred_checksums(all_plans, refdcp_data)
         result = dedup_items(
             [p.items for p in all_plans],
             digests=digests,
-            checksums=[e.get("checksums") for e in extras],
-            blocks=[e.get("blocks") for e in extras],
+            checksums=[e.get("checksums") for e in refdcp_data],
+            blocks=[e.get("blocks") for e in refdcp_data],
             coordinator_rank=self.coordinator_rank,
             bytes_on_coordinator=self.bytes_on_coordinator,
             lowest_rank=self.dedup_save_to_lowest_rank,
         )
         chunkless: dict[str, Any] = {}
-        for e in reversed(extras):
+        for e in reversed(refdcp_data):
             chunkless.update(e.get("chunkless") or {})
         md, problems = build_state_dict_metadata(result.plans, chunkless)
-        problems = result.problems + problems + _chunkless_disagreements(extras, md)
+        problems = result.problems + problems + _chunkless_disagreements(refdcp_data, md)
         if RESERVED_KEY in md:
             problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
         if problems:
@@ -303,7 +305,7 @@ class DefaultSavePlanner(SavePlanner):
         # ranks with identical plans hold identical FQNs: merge one plan per group,
         # lowest rank winning like torch's ChainMap (FLAT-6)
         for rep in reversed(result.class_reps):
-            p, e = all_plans[rep], extras[rep]
+            p, e = all_plans[rep], refdcp_data[rep]
             if isinstance(p.planner_data, dict):
                 planner_data.update(p.planner_data)
             rich.update(e.get("rich") or {})
@@ -320,39 +322,39 @@ class DefaultSavePlanner(SavePlanner):
         return plans, metadata
 
     def _fill_deferred_digest(
-        self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
+        self, all_plans: list[SavePlan], refdcp_data: list[dict[str, Any]]
     ) -> None:
         """The coordinator's plan digest (without value checksums, as its local plan defers
         them), computed only when other ranks' plans may equal it (DEDUP-8)."""
         if len(all_plans) == 1:
             return
-        for plan, e in zip(all_plans, extras):
+        for plan, e in zip(all_plans, refdcp_data):
             if e.get("deferred_digest") == self._token and e.get("digest") is None:
                 # in place: the plan cache reads the digest
                 e["digest"], e["blocks"] = plan_and_block_digests(plan.items, None)
 
     def _fill_deferred_checksums(
-        self, all_plans: list[SavePlan], extras: list[dict[str, Any]]
+        self, all_plans: list[SavePlan], refdcp_data: list[dict[str, Any]]
     ) -> None:
         """The coordinator's own replica digests, for the keys other ranks hold (DEDUP-13).
 
         A single-rank save digests nothing; other ranks' keys are collected once per
         group of identical plans.
         """
-        mine = [r for r, e in enumerate(extras) if e.get("deferred_checksums") == self._token]
+        mine = [r for r, e in enumerate(refdcp_data) if e.get("deferred_token") == self._token]
         if not mine:
             return
         (me,) = mine
         if len(all_plans) == 1:  # nobody else holds anything: nothing to digest
             self._coordinator_shared = []
-            self._late_items = []
-            extras[me] = {**extras[me], "checksums": {}}
+            self._deferred_items = []
+            refdcp_data[me] = {**refdcp_data[me], "checksums": {}}
             return
         my_keys = set(map(item_key, all_plans[me].items))
         my_offsets = {off for _, off in my_keys}
         others: set[Any] = set()  # my keys other ranks hold
         seen: set[Any] = set()
-        for r, (p, e) in enumerate(zip(all_plans, extras)):
+        for r, (p, e) in enumerate(zip(all_plans, refdcp_data)):
             d = e.get("digest")
             if r == me or (d is not None and d in seen):
                 continue
@@ -371,7 +373,7 @@ class DefaultSavePlanner(SavePlanner):
                     others.update(filter(my_keys.__contains__, keys))
         shared = [i for i in all_plans[me].items if item_key(i) in others] if others else []
         self._coordinator_shared = shared
-        extras[me] = {**extras[me], "checksums": self._replica_sums(shared)}
+        refdcp_data[me] = {**refdcp_data[me], "checksums": self._replica_sums(shared)}
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """With plan caching: an unchanged plan is the cached final plan; a new one is cached
@@ -395,15 +397,15 @@ class DefaultSavePlanner(SavePlanner):
                 else:  # a rebuilt global plan answering this rank's marker
                     cache.final_plan = new_plan
         self.plan = new_plan
-        if self._late:
-            self._start_late_digests(new_plan)
+        if self._deferred:
+            self._start_deferred_digests(new_plan)
         return new_plan
 
-    def _start_late_digests(self, final: SavePlan) -> None:
+    def _start_deferred_digests(self, final: SavePlan) -> None:
         """The worker digests the replicas this rank holds but does not write; the writer
         digests the others on the way (DEDUP-17)."""
         flat = self.flat.items
-        items = self._late_items
+        items = self._deferred_items
         if items is None:  # not planned here (an overridden step): digest every item
             items = save_items(flat)
         late: list[WriteItem] = []
@@ -414,16 +416,16 @@ class DefaultSavePlanner(SavePlanner):
                     late.append(i)
                 else:
                     skipped.append(pos)
-        self._late_keys = list(map(_key, late))
+        self._deferred_keys = list(map(_key, late))
         # equal local plans (digest) and equal skipped positions: equal keys in equal order
         if not self.is_coordinator and self._plan_digest is not None:
-            self._late_structure = f"{self._plan_digest}{skipped}".encode()
+            self._deferred_structure = f"{self._plan_digest}{skipped}".encode()
         # a subclass resolving other data than its state dict's values writes something
         # else than what the other ranks digest: then every item is digested here
         writes = set(map(_key, final.items)) if self._writes_its_values() else set()
-        self._late_written = [i for i in late if _key(i) in writes]
-        others = [i for i in late if _key(i) not in writes] if self._late_written else late
-        self._late_job = DigestJob(flat, others)
+        self._deferred_written = [i for i in late if _key(i) in writes]
+        others = [i for i in late if _key(i) not in writes] if self._deferred_written else late
+        self._deferred_job = DigestJob(flat, others)
 
     def _writes_its_values(self) -> bool:
         cls = type(self)
@@ -439,19 +441,19 @@ class DefaultSavePlanner(SavePlanner):
         deferred (DEDUP-17). Those of the items it wrote come from ``results`` where the
         writer recorded them (refdcp's do), else are computed now. ``results=None`` (the
         write failed) only waits for the worker to stop reading the values."""
-        if not self._late:
+        if not self._deferred:
             return None
-        if self._late_job is None:
+        if self._deferred_job is None:
             raise ProtocolError("DEDUP-17", "replica digests asked before finish_plan started them")
-        job, self._late_job = self._late_job, None
+        job, self._deferred_job = self._deferred_job, None
         if results is None:
             job.stop()
             return None
         sums = job.result()
-        if self._late_written:
+        if self._deferred_written:
             recorded = {(r.index.fqn, r.index.offset): value_crc_of(r) for r in results}
             missing = []
-            for item in self._late_written:
+            for item in self._deferred_written:
                 value = recorded.get(_key(item))
                 if value is None:
                     missing.append(item)
@@ -459,8 +461,8 @@ class DefaultSavePlanner(SavePlanner):
                     sums[_key(item)] = value
             if missing:
                 sums.update(replica_checksums(self.flat.items, missing, objects=False, framed=True))
-        ordered = dict(zip(self._late_keys, map(sums.__getitem__, self._late_keys)))
-        structure = self._late_structure
+        ordered = dict(zip(self._deferred_keys, map(sums.__getitem__, self._deferred_keys)))
+        structure = self._deferred_structure
         return RankDigests(ordered, group_of(structure, ordered) if structure else None)
 
     def check_replicas_after_write(self, digests: Sequence[RankDigests | None]) -> None:
@@ -503,7 +505,8 @@ _offset = attrgetter("index.offset")
 _key = attrgetter("index.fqn", "index.offset")  # item_key, in C
 
 
-def _extras(plan: SavePlan) -> dict[str, Any]:
+def _refdcp_data(plan: SavePlan) -> dict[str, Any]:
+    """refdcp's own entries in a local plan's planner_data (under RESERVED_KEY), or {}."""
     data = plan.planner_data
     if isinstance(data, dict):
         extra = data.get(RESERVED_KEY)
@@ -518,7 +521,7 @@ def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
     extra = dict(data.get(RESERVED_KEY) or {})
     extra.update(
         checksums=marker.get("checksums"),
-        deferred_checksums=marker.get("deferred_checksums"),
+        deferred_token=marker.get("deferred_token"),
         digest=None,  # dedup digests it with this save's checksums
         blocks=None,  # so are its blocks: one block, named by that digest (DEDUP-14)
         deferred_digest=None,
@@ -527,11 +530,11 @@ def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
     return dataclasses.replace(cached, planner_data=data)
 
 
-def _chunkless_disagreements(extras: list[dict[str, Any]], md: dict[str, Any]) -> list[str]:
+def _chunkless_disagreements(refdcp_data: list[dict[str, Any]], md: dict[str, Any]) -> list[str]:
     """Ranks holding no chunk of a tensor still state its dtype and shape: check them (META-4)."""
     problems: list[str] = []
     claims: dict[str, dict[Any, list[str]]] = {}
-    for rank, e in enumerate(extras):
+    for rank, e in enumerate(refdcp_data):
         for fqn, (props, size) in (e.get("chunkless") or {}).items():
             by = claims.setdefault(fqn, {})
             by.setdefault((props.dtype, tuple(size)), []).append(f"rank {rank}")

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from refdcp.planning import LoadPolicy, LoadPolicyError
 from refdcp.planning.flatten import flatten_state_dict, set_by_rich_path
 from refdcp.planning.load_policy import check_load
-from refdcp.storage.safe_globals import (
+from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
     default_safe_globals,
     refused_global,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refdcp.errors import RefdcpError
+from refdcp.errors import StagingTimeoutError
 from refdcp.staging.machine import LEASED, Action, Event, State, step
 from refdcp.staging.tree import Layout, nbytes_of
 
@@ -40,10 +40,6 @@ def allocate(
             t.share_memory_()  # type: ignore[no-untyped-call]
         out.append(t)
     return out
-
-
-class StagingTimeoutError(RefdcpError, TimeoutError):
-    """No buffer set became free within the pool's ``wait_timeout`` (STAGE-5)."""
 
 
 @dataclass(eq=False)

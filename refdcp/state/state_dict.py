@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import state_dict as _tsd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from refdcp.errors import RefdcpError
+from refdcp.errors import StateDictError
 
 __all__ = [
     "StateDictError",
@@ -39,10 +39,6 @@ Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 #: Options refdcp implements itself; any other non-default option delegates (SD-9).
 _NATIVE_OPTIONS = frozenset({"strict", "ignore_frozen_params"})
-
-
-class StateDictError(RefdcpError, RuntimeError):
-    """A state dict does not fit the model or optimizer (SD-4, SD-7, SD-8)."""
 
 
 def _as_tuple(optimizers: Optimizers) -> tuple[torch.optim.Optimizer, ...]:

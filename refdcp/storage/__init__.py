@@ -6,13 +6,15 @@ from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
     MalformedMetadataError,
+    MetadataUnreadableError,
     MissingChecksumError,
     UnsafeMetadataError,
+    UnsafeObjectError,
     UnsafePathError,
 )
-from refdcp.storage.filesystem import FileSystemReader, FileSystemWriter
+from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
 from refdcp.storage.memory import MemoryReader, MemoryStorage, MemoryWriter
-from refdcp.storage.metadata_limits import MetadataLimits, set_metadata_limits
+from refdcp.storage.metadata.limits import MetadataLimits, set_metadata_limits
 from refdcp.storage.verify import VerifyReport, verify_checkpoint
 
 __all__ = [
@@ -27,8 +29,10 @@ __all__ = [
     "MemoryStorage",
     "MemoryWriter",
     "MetadataLimits",
+    "MetadataUnreadableError",
     "MissingChecksumError",
     "UnsafeMetadataError",
+    "UnsafeObjectError",
     "UnsafePathError",
     "VerifyReport",
     "set_metadata_limits",

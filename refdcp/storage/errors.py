@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 from refdcp.errors import RefdcpError
 
 __all__ = [
@@ -11,7 +13,10 @@ __all__ = [
     "FormatVersionError",
     "MissingChecksumError",
     "MalformedMetadataError",
+    "MetadataFieldMissing",
+    "MetadataUnreadableError",
     "UnsafeMetadataError",
+    "UnsafeObjectError",
     "UnsafePathError",
 ]
 
@@ -86,3 +91,41 @@ class UnsafePathError(UnsafeMetadataError):
 
 class ConcurrentSaveError(RefdcpError):
     """Another save into the same checkpoint path holds its lock (STORE-29)."""
+
+
+class UnsafeObjectError(RefdcpError, pickle.UnpicklingError):
+    """A saved non-tensor value references a global outside the allow-list (LOAD-9).
+
+    Names the key, the refused class and the option that allows it.
+    """
+
+    def __init__(self, fqn: str, refused: str | None, detail: str = "") -> None:
+        if refused:
+            head = (
+                f"{fqn!r}: the saved value references {refused}, which refdcp does not "
+                "unpickle by default (naming it imports and may run code). If you trust this "
+                f"checkpoint, pass safe_globals=[{refused}] to refdcp.load (or to "
+                "DefaultLoadPlanner), or DefaultLoadPlanner(allow_pickle=True)"
+            )
+        else:
+            head = (
+                f"{fqn!r}: the saved value cannot be rebuilt by the weights-only unpickler "
+                f"({detail or 'unsupported pickle content'}). If you trust this checkpoint, "
+                "load it with DefaultLoadPlanner(allow_pickle=True)"
+            )
+        super().__init__(head + " (LOAD-9)")
+        self.fqn = fqn
+        self.refused = refused
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.fqn, self.refused, self.detail))
+
+
+class MetadataUnreadableError(RefdcpError):
+    """``.metadata`` exists but cannot be read; nothing could be verified (TOOL-13)."""
+
+
+class MetadataFieldMissing(RefdcpError):
+    """The vectorised ``.metadata`` check met an entry without a required field (internal:
+    ``storage/metadata/bulk.py`` catches it and leaves that entry to the per-item check)."""

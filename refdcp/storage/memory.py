@@ -33,10 +33,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from refdcp.errors import RefdcpError
-from refdcp.storage import layout
 from refdcp.storage.errors import CheckpointExistsError, CorruptionError
-from refdcp.storage.filesystem import split_into_buckets
-from refdcp.storage.items import (
+from refdcp.storage.format import layout
+from refdcp.storage.format.items import (
     ChunkIndex,
     checksum_of,
     encode_bytes,
@@ -45,8 +44,9 @@ from refdcp.storage.items import (
     make_storage_info,
     verify_blob,
 )
-from refdcp.storage.records import write_result
-from refdcp.storage.safe_metadata import dump_metadata, finalize_metadata, load_metadata
+from refdcp.storage.format.records import write_result
+from refdcp.storage.fs.filesystem import split_into_buckets
+from refdcp.storage.metadata.safe import dump_metadata, finalize_metadata, load_metadata
 
 __all__ = ["MemoryReader", "MemoryStorage", "MemoryWriter"]
 

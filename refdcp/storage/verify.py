@@ -10,18 +10,18 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from refdcp.errors import RefdcpError
-from refdcp.storage import layout
-from refdcp.storage.crc import crc32c
+from refdcp.crc.kernel import crc32c
 from refdcp.storage.errors import (
     CorruptionError,
     FormatVersionError,
+    MetadataUnreadableError,
     UnsafeMetadataError,
     UnsafePathError,
 )
-from refdcp.storage.items import checksum_of
-from refdcp.storage.paths import open_data_file, pread_exact
-from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
+from refdcp.storage.format import layout
+from refdcp.storage.format.items import checksum_of
+from refdcp.storage.fs.paths import open_data_file, pread_exact
+from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
 
 __all__ = [
     "MetadataUnreadableError",
@@ -226,7 +226,3 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
         return verify_ranges(metadata_bytes, ranges, str(root))
     finally:
         ranges.close()
-
-
-class MetadataUnreadableError(RefdcpError):
-    """``.metadata`` exists but cannot be read; nothing could be verified (TOOL-13)."""

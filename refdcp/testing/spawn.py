@@ -29,6 +29,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from refdcp.errors import SpawnError
+
 __all__ = ["SpawnError", "run_gloo"]
 
 _LOOPBACK = "127.0.0.1"
@@ -48,48 +50,6 @@ _TRANSIENT_CONNECT = re.compile(
 )
 # Test hook: "<attempts>" makes rank 0 fail its first <attempts> connects.
 _INJECT_ENV = "REFDCP_SPAWN_INJECT_CONNECT_FAILURES"
-
-
-class SpawnError(RuntimeError):
-    """One or more spawned ranks failed, died, or did not finish in time (COMM-22).
-
-    ``failures`` maps rank -> traceback text (or a description of how it
-    died); ``results`` maps rank -> return value for the ranks that finished;
-    ``timed_out`` tells whether the overall timeout expired.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        failures: dict[int, str],
-        *,
-        timed_out: bool,
-        results: dict[int, Any] | None = None,
-    ) -> None:
-        self.failures = dict(sorted(failures.items()))
-        self.results = dict(sorted((results or {}).items()))
-        self.timed_out = timed_out
-        # True when every failure is a transient connect error raised before
-        # the gate, so that no rank can have called fn (COMM-25).
-        self.before_fn_only = False
-        parts = [message]
-        for rank, text in self.failures.items():
-            parts.append(f"--- rank {rank} ---\n{text.rstrip()}")
-        super().__init__("\n".join(parts))
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (
-            _rebuild_spawn_error,
-            (self.args[0], self.failures, self.timed_out, self.results),
-        )
-
-
-def _rebuild_spawn_error(
-    message: str, failures: dict[int, str], timed_out: bool, results: dict[int, Any]
-) -> SpawnError:
-    err = SpawnError("", failures, timed_out=timed_out, results=results)
-    err.args = (message,)
-    return err
 
 
 def _child(

@@ -48,16 +48,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from refdcp.errors import RefdcpError
+from refdcp.errors import ConvertError, RefdcpError
 from refdcp.planning.flatten import (
     RESERVED_KEY,
     decode_structure,
     flatten_state_dict,
     unflatten_state_dict,
 )
-from refdcp.storage import layout
 from refdcp.storage.errors import CorruptionError
-from refdcp.storage.items import (
+from refdcp.storage.format import layout
+from refdcp.storage.format.items import (
     checksum_of,
     data_offset_of,
     encode_bytes,
@@ -111,10 +111,6 @@ _SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 #: Bound on the scratch buffer used to scatter a DCP chunk into a strided box.
 _SCRATCH_BYTES = 4 << 20
 _MADV_DONTNEED = 4
-
-
-class ConvertError(RefdcpError):
-    """A conversion that cannot be done faithfully; nothing was written (TOOL-21)."""
 
 
 @dataclass
@@ -219,7 +215,7 @@ class _DcpSource(_Source):
     """A DCP directory (torch's or refdcp's FileSystemWriter layout)."""
 
     def __init__(self, path: Path) -> None:
-        from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
+        from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
 
         self.path = path
         md_file = path / layout.METADATA_NAME
@@ -849,7 +845,7 @@ def _write_safetensors(
 def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
     from refdcp.planning import DefaultSavePlanner
     from refdcp.planning.loadable import refuse_unloadable
-    from refdcp.storage.filesystem import FileSystemWriter
+    from refdcp.storage.fs.filesystem import FileSystemWriter
 
     class PlaceholderPlanner(DefaultSavePlanner):
         """Tensors are meta placeholders streamed from ``src``: only the other values are checked."""

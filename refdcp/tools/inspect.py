@@ -2,7 +2,7 @@
 
 Works on checkpoints written by torch's ``FileSystemWriter`` and by refdcp.
 ``.metadata`` is read with refdcp's restricted reader
-(``refdcp.storage.safe_metadata``), so inspecting a crafted checkpoint never
+(``refdcp.storage.metadata.safe``), so inspecting a crafted checkpoint never
 runs code from it (TOOL-7).
 """
 
@@ -23,17 +23,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from refdcp.storage import layout
-from refdcp.storage.safe_metadata import FORMAT_ATTR, has_checksum_trailer
+from refdcp.errors import MetadataLoadError
+from refdcp.storage.format import layout
+from refdcp.storage.metadata.safe import FORMAT_ATTR, has_checksum_trailer
 
 __all__ = ["MetadataLoadError", "inspect_checkpoint", "inspect_command", "load_metadata_safely"]
 
 METADATA_FILE = layout.METADATA_NAME
 _CHECKSUM_WORDS = ("checksum", "crc", "digest", "sha256", "hash")
-
-
-class MetadataLoadError(RuntimeError):
-    """``.metadata`` is unreadable, corrupt or names a global outside the allow-list (TOOL-7)."""
 
 
 def load_metadata_safely(path: str | os.PathLike[str]) -> Metadata:
@@ -43,7 +40,7 @@ def load_metadata_safely(path: str | os.PathLike[str]) -> Metadata:
 
 def _load_metadata_bytes(path: str | os.PathLike[str]) -> tuple[Metadata, bytes]:
     """The metadata and its bytes; any failure is a one-line ``MetadataLoadError`` (TOOL-12)."""
-    from refdcp.storage.safe_metadata import load_metadata, read_metadata_file
+    from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
 
     try:
         data = read_metadata_file(path)

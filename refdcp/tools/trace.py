@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.planner import (
 
 from refdcp.driver import LoadContext, SaveContext, StepRecord, simulate
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
-from refdcp.planning.global_metadata import build_state_dict_metadata
 from refdcp.planning.local_plan import chunk_nbytes
+from refdcp.planning.metadata.build import build_state_dict_metadata
 from refdcp.protocol import LOAD, SAVE, Kind
 from refdcp.protocol.names import Slot
 from refdcp.reference.dedup import Decision, reference_dedup
@@ -106,7 +106,7 @@ class _NoDedupPlanner(DefaultSavePlanner):
     """Shows why dedup exists: every holder writes every replica, and validation refuses it."""
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        from refdcp.planning.global_metadata import PlanValidationError
+        from refdcp.planning.metadata.build import PlanValidationError
 
         _, problems = build_state_dict_metadata([list(p.items) for p in all_plans])
         raise PlanValidationError(problems or ["no overlap found"])

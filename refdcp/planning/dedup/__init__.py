@@ -1,0 +1,1 @@
+"""Dedup of replicated write items (DEDUP-*): the planner's fast versions of the rule in ``refdcp/reference/dedup.py``."""

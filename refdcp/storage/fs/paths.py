@@ -1,0 +1,84 @@
+"""Data-file names taken from ``.metadata`` and how readers open them (STORE-26..STORE-28).
+
+A checkpoint's ``.metadata`` is untrusted input: a crafted one may name
+``../../etc/passwd``, ``/abs/x``, a FIFO or ``/dev/zero``. Readers accept only
+a plain file name (no separator, not ``.``/``..``, not absolute), open it
+relative to the checkpoint directory without following a symbolic link and
+without blocking, and refuse anything but a regular file. Every read is then
+bounded by the length the metadata states (the callers check it against the
+file's size before allocating).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from refdcp.storage.errors import UnsafePathError
+from refdcp.storage.format.layout import MAX_NAME_BYTES, check_data_name
+
+__all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact", "pread_into"]
+
+
+def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None = None) -> int:
+    """Open ``root/name`` read-only; refuse links and anything but a regular file (STORE-27).
+
+    ``O_NOFOLLOW`` refuses a symbolic link and ``O_NONBLOCK`` keeps a FIFO from
+    blocking the open; ``fstat`` on the opened descriptor then checks the type,
+    so nothing can be swapped in between. ``FileNotFoundError`` and other
+    ``OSError``s (permission denied) propagate for the caller to report.
+    """
+    check_data_name(name, fqn=fqn)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    path = Path(root) / name
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"{path}: is a symbolic link; refdcp reads only regular files of the checkpoint"
+            ) from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafePathError(f"{path}: is not a regular file ({_kind(mode)}); refusing to read it")
+    return fd
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; the bytes read (fewer only at end of file), never more."""
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def pread_exact(fd: int, length: int, offset: int) -> bytes:
+    """Up to ``length`` bytes at ``offset`` (fewer only at end of file); never more."""
+    out = bytearray(length)
+    got = pread_into(fd, memoryview(out), offset)
+    return bytes(out[:got])
+
+
+def _kind(mode: int) -> str:
+    for test, label in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return label
+    return "not a regular file"

@@ -1,0 +1,110 @@
+"""The allow-list of non-tensor values that load by default (LOAD-7..9).
+
+refdcp unpickles saved objects with ``torch.load(weights_only=True)``
+(PLAN-7): only globals on an allow-list may be referenced, so loading can
+never run code. Torch's own list covers Python's primitives and containers;
+:func:`default_safe_globals` adds the common data-only types found in training
+checkpoints. Each entry is rebuilt from plain data by C code or by a stdlib
+constructor that only validates and stores its arguments:
+
+* numpy arrays (any dtype, structured and object arrays included: the
+  elements go through the same allow-list), numpy scalars and dtypes, so
+  ``np.random.get_state()`` loads;
+* ``argparse.Namespace`` (its ``__dict__`` is restored, no ``__setstate__``);
+* ``datetime.date/time/datetime/timedelta/timezone``, ``decimal.Decimal``,
+  ``fractions.Fraction``, ``uuid.UUID``;
+* ``frozenset``, ``slice``, ``range``;
+* the ``pathlib`` path classes (built from strings, no I/O).
+
+Not on the list: ``collections.deque`` and ``defaultdict`` (torch's weights-only
+unpickler cannot rebuild them), and, on purpose, user-defined classes (dataclasses, Enums, ...).
+Referencing one imports its module, which runs that module's code, so it
+must be the caller's decision: ``refdcp.load(..., safe_globals=[MyEnum])`` or
+``DefaultLoadPlanner(safe_globals=[...])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import decimal
+import fractions
+import pathlib
+import re
+import uuid
+from typing import Any
+
+from refdcp.storage.errors import UnsafeObjectError
+
+__all__ = ["UnsafeObjectError", "default_safe_globals", "refused_global", "unpickler_detail"]
+
+
+def _numpy_globals() -> list[Any]:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy ships with torch's test deps
+        return []
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # pragma: no cover - numpy < 2
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    out: list[Any] = [
+        np.ndarray,
+        np.dtype,
+        multiarray._reconstruct,
+        multiarray.scalar,
+        # the names numpy 1.x wrote into pickles
+        (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+        (multiarray.scalar, "numpy.core.multiarray.scalar"),
+    ]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [
+            getattr(dtypes, n)
+            for n in dir(dtypes)
+            if n.endswith("DType") and isinstance(getattr(dtypes, n), type)
+        ]
+    return out
+
+
+def default_safe_globals() -> list[Any]:
+    """Every global that non-tensor values may reference when loaded by default (LOAD-7).
+
+    The one place the default allow-list lives: the load planner passes it to
+    ``torch.load(weights_only=True)``; save-time loadability checks use it too.
+    Entries are classes/functions or ``(object, "module.name")`` pairs, as
+    ``torch.serialization.safe_globals`` takes them.
+    """
+    return [
+        *_numpy_globals(),
+        argparse.Namespace,
+        datetime.date,
+        datetime.time,
+        datetime.datetime,
+        datetime.timedelta,
+        datetime.timezone,
+        decimal.Decimal,
+        fractions.Fraction,
+        uuid.UUID,
+        frozenset,
+        slice,
+        range,
+        pathlib.PurePath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+    ]
+
+
+def refused_global(message: str) -> str | None:
+    """The ``module.name`` a weights-only unpickler refused, from torch's error text, if any."""
+    m = re.search(r"GLOBAL ([\w.]+)", message)
+    return m.group(1) if m else None
+
+
+def unpickler_detail(message: str) -> str:
+    """The weights-only unpickler's own reason, from torch's error text."""
+    m = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", message, re.S)
+    return m.group(1).strip() if m else ""
