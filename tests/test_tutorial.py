@@ -64,9 +64,7 @@ def test_tutorial_runs_as_one_script_file(tmp_path: Path) -> None:
     script = tmp_path / "tutorial.py"
     script.write_text(tutorial_script(_text()), encoding="utf-8")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(repo_root()), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(repo_root()), *filter(None, [env.get("PYTHONPATH")])])
     before = set(tempfile_root().iterdir())
     done = subprocess.run(
         [sys.executable, str(script)],
