@@ -3,9 +3,10 @@
 The suite plays every rank itself, in one thread, with torch's
 ``DefaultSavePlanner`` / ``DefaultLoadPlanner``: this gives it full control
 over call order, arguments and fault injection (CONF-3, CONF-4, CONF-23).
-The order is torch 2.13's: set-up and local plans on every rank, the global
-plan on the coordinator (rank 0), ``write_data`` on every rank, ``finish`` on
-the coordinator only. A failure on any rank aborts the save before ``finish``,
+The order is torch 2.13's, as spec/protocol.md's storage contracts list it
+(PROTO-14, PROTO-15): set-up and local plans on every rank, the global plan on
+the coordinator (rank 0), ``write_data`` on every rank, ``finish`` on the
+coordinator only. A failure on any rank aborts the save before ``finish``,
 as DCP does after gathering the failures.
 """
 
@@ -117,14 +118,17 @@ def save_ranks(
         coord = rank == 0
         if reset:
             writer.reset(checkpoint_id)
-        _check(fault, "set_up_storage_writer", rank)
-        set_up_writer(writer, coord, rank)
         planner: DefaultSavePlanner
         if fault is not None and fault.step == "write_data:inside" and fault.rank == rank:
             planner = _FaultySavePlanner()
         else:
             planner = DefaultSavePlanner()
-        planner.set_up_planner(sd, storage_meta=writer.storage_meta(), is_coordinator=coord)
+        # torch 2.13's order (spec/protocol.md, writer contract): storage_meta, the
+        # planner's set-up, then the writer's
+        storage_meta = writer.storage_meta()
+        planner.set_up_planner(sd, storage_meta=storage_meta, is_coordinator=coord)
+        _check(fault, "set_up_storage_writer", rank)
+        set_up_writer(writer, coord, rank)
         plan = planner.create_local_plan()
         tr.local_in.append(plan)
         _check(fault, "prepare_local_plan", rank)
@@ -169,9 +173,9 @@ def load_ranks(
         if reset:
             reader.reset(checkpoint_id)
         metadata = reader.read_metadata()
-        set_up_reader(reader, metadata, coord, rank)
         planner = planners[rank] if planners is not None else DefaultLoadPlanner()
-        planner.set_up_planner(sd, metadata, coord)
+        planner.set_up_planner(sd, metadata, coord)  # torch 2.13's order: planner, then reader
+        set_up_reader(reader, metadata, coord, rank)
         plan = planner.create_local_plan()
         local_in.append(plan)
         local.append(reader.prepare_local_plan(plan))

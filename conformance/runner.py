@@ -37,7 +37,11 @@ def spec_levels() -> dict[str, str] | None:
     if not (spec_dir / "conformance.md").is_file():
         return None
     reqs, _ = load_spec(spec_dir)
-    return {rid: r.level for rid, r in sorted(reqs.items()) if rid.startswith("CONF-")}
+    return {
+        rid: r.level
+        for rid, r in sorted(reqs.items())
+        if rid.startswith("CONF-") and r.level != "WITHDRAWN"  # a withdrawn ID has no check
+    }
 
 
 def levels() -> dict[str, str]:

@@ -391,7 +391,7 @@ def test_a_metadata_rewrite_in_place_is_torn_by_a_kill_and_fails_conf_48() -> No
     assert "SIGKILL" in reason and "inside finish" in reason and "read_metadata raised" in reason
 
 
-@pytest.mark.spec("CONF-48")
+@pytest.mark.spec("CONF-48", "CONF-57")
 def test_an_atomic_file_backend_passes_conf_48_and_memory_is_not_applicable() -> None:
     assert run_checks(FileBackend(), only={"CONF-48"})[0].status == "pass"
     result = run_checks(DictBackend(), only={"CONF-48"})[0]

@@ -97,7 +97,7 @@ def _helpers(kind: str) -> Executor | None:
     }[kind]
 
 
-@pytest.mark.spec("LOAD-14", "STORE-51", "INTEG-11")
+@pytest.mark.spec("LOAD-14", "STORE-51", "INTEG-11", "LOAD-15", "LOAD-16")
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.binary(max_size=5000),
@@ -123,7 +123,7 @@ def test_the_pieces_give_the_whole_crc_whoever_computes_them(
         assert pieces.helper_pieces == 0
 
 
-@pytest.mark.spec("LOAD-14")
+@pytest.mark.spec("LOAD-14", "LOAD-15")
 def test_a_helper_that_keeps_up_takes_every_piece() -> None:
     data = os.urandom(64 * 4096)
     view = memoryview(bytearray(data))
@@ -137,7 +137,7 @@ def test_a_helper_that_keeps_up_takes_every_piece() -> None:
     assert pieces.helper_pieces == pieces.count
 
 
-@pytest.mark.spec("LOAD-14")
+@pytest.mark.spec("LOAD-14", "LOAD-15", "LOAD-16")
 def test_close_waits_for_the_helper_and_stops_it() -> None:
     view = memoryview(bytearray(os.urandom(8 * MiB)))
     pieces = PieceCrc(view, MiB, 0, crc_pieces._pool())
@@ -181,7 +181,7 @@ def _save_big(path: Path, n: int) -> tuple[dict[str, torch.Tensor], Any]:
     return src, info
 
 
-@pytest.mark.spec("LOAD-14", "LOAD-10")
+@pytest.mark.spec("LOAD-14", "LOAD-10", "LOAD-16", "LOAD-17")
 @pytest.mark.parametrize("helper", ["pool", "never", "late"])
 @pytest.mark.parametrize("where", ["middle piece", "last partial piece", None])
 def test_the_pipelined_check_finds_a_flipped_byte_and_names_it(
@@ -217,7 +217,7 @@ def test_the_pipelined_check_finds_a_flipped_byte_and_names_it(
     assert (exc.fqn, exc.file, exc.offset) == ("big", info.relative_path, info.offset)
 
 
-@pytest.mark.spec("LOAD-14")
+@pytest.mark.spec("LOAD-14", "LOAD-16")
 def test_the_pipelined_check_names_a_cut_file(tmp_path: Path, pipelined: list[int]) -> None:
     n = MiB // 2
     _src, info = _save_big(tmp_path, n)
@@ -254,7 +254,7 @@ def small_write_pieces(monkeypatch: pytest.MonkeyPatch) -> list[PieceCrc]:
     return used
 
 
-@pytest.mark.spec("STORE-51", "INTEG-1")
+@pytest.mark.spec("STORE-51", "STORE-55", "INTEG-1")
 @pytest.mark.parametrize("helper", ["pool", "inline", "never", "late"])
 def test_the_recorded_crc_is_of_exactly_the_bytes_written(
     tmp_path: Path,
@@ -281,7 +281,7 @@ def test_the_recorded_crc_is_of_exactly_the_bytes_written(
     assert all(torch.equal(got[k], v) for k, v in src.items())
 
 
-@pytest.mark.spec("STORE-51", "STORE-31")
+@pytest.mark.spec("STORE-51", "STORE-31", "STORE-53")
 @pytest.mark.parametrize("helper", ["pool", "inline"])
 def test_a_failed_piece_write_fails_the_save_after_the_helper_let_go(
     tmp_path: Path,
@@ -369,7 +369,7 @@ def test_the_table_shift_of_a_fresh_length_equals_the_matrix_shift(nbytes: int, 
         )
 
 
-@pytest.mark.spec("STORE-51", "INTEG-11")
+@pytest.mark.spec("STORE-51", "STORE-55", "INTEG-11")
 @pytest.mark.parametrize("helper", ["inline", "pool"])
 def test_write_checksummed_with_the_real_piece_sizes(
     monkeypatch: pytest.MonkeyPatch, helper: str

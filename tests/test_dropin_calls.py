@@ -110,3 +110,12 @@ def test_unimplemented_torch_writer_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="_extensions"):
         refdcp.FileSystemWriter(tmp_path, _extensions=[object()])
     refdcp.FileSystemWriter(tmp_path, serialization_format=SerializationFormat.TORCH_SAVE)
+    with pytest.raises(ValueError, match="per_thread_copy_ahead"):
+        refdcp.FileSystemWriter(tmp_path, per_thread_copy_ahead=1)
+    with pytest.raises(ValueError, match="cache_staged_state_dict"):
+        refdcp.FileSystemWriter(tmp_path, cache_staged_state_dict=True)
+    # the default values, spelled out as a torch call site may, keep working
+    w = refdcp.FileSystemWriter(
+        tmp_path, per_thread_copy_ahead=10_000_000, cache_staged_state_dict=False
+    )
+    assert w.per_thread_copy_ahead == 10_000_000 and w.cache_staged_state_dict is False

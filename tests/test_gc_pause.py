@@ -79,7 +79,7 @@ class _Cycle:
         self.me = self
 
 
-@pytest.mark.spec("API-20")
+@pytest.mark.spec("API-20", "API-21")
 def test_what_survives_a_save_skips_the_young_generations(tmp_path: Path) -> None:
     """The returned Metadata is not left for young passes: the youngest generation's count is
     back near zero, its objects are still tracked, and cycles made during the call are still
@@ -102,7 +102,7 @@ def test_what_survives_a_save_skips_the_young_generations(tmp_path: Path) -> Non
     assert wr() is None
 
 
-@pytest.mark.spec("API-20")
+@pytest.mark.spec("API-20", "API-21")
 def test_objects_the_caller_froze_stay_frozen(tmp_path: Path) -> None:
     gc.collect()
     gc.freeze()

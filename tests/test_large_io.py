@@ -125,7 +125,7 @@ def record_helper_pieces(monkeypatch: pytest.MonkeyPatch, helpers: Any) -> list[
     return used
 
 
-@pytest.mark.spec("LOAD-13", "LOAD-10")
+@pytest.mark.spec("LOAD-13", "LOAD-10", "LOAD-17")
 @pytest.mark.parametrize("cpus", [2, 1])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "header", "tail"])
 def test_default_check_of_a_large_item_finds_any_flipped_byte(

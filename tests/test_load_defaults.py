@@ -165,7 +165,7 @@ def test_flipped_data_byte_fails_a_plain_load(tmp_path: Path, size: int) -> None
     assert not torch.equal(dest["w"], src["w"])
 
 
-@pytest.mark.spec("LOAD-10")
+@pytest.mark.spec("LOAD-10", "LOAD-17")
 def test_default_check_covers_resharded_and_memory_reads(tmp_path: Path) -> None:
     full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     md = refdcp.save(

@@ -91,7 +91,7 @@ def test_a_malformed_row_is_refused_when_it_is_written() -> None:
     )
 
 
-@pytest.mark.spec("PROTO-7", "PROTO-12")
+@pytest.mark.spec("PROTO-7", "PROTO-12", "PROTO-13")
 @TABLES
 @pytest.mark.parametrize("coordinator", [True, False])
 def test_a_fault_on_a_rank_that_is_done_or_failed_ends_failed(name: str, coordinator: bool) -> None:

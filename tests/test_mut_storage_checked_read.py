@@ -61,7 +61,7 @@ def _read(fd: int, n: int, info: Any) -> bytearray:
     return out
 
 
-@pytest.mark.spec("LOAD-10")
+@pytest.mark.spec("LOAD-10", "LOAD-17")
 @pytest.mark.parametrize(
     ("head", "size", "tail"),
     [

@@ -46,7 +46,7 @@ def _slow_helper(monkeypatch: pytest.MonkeyPatch, log: list[float]) -> None:
     monkeypatch.setattr(crc_pieces, "crc32c", slow)
 
 
-@pytest.mark.spec("STORE-51")
+@pytest.mark.spec("STORE-51", "STORE-53")
 def test_close_waits_for_the_helpers_piece_and_stops_it(monkeypatch: pytest.MonkeyPatch) -> None:
     log: list[float] = []
     _slow_helper(monkeypatch, log)
@@ -63,7 +63,7 @@ def test_close_waits_for_the_helpers_piece_and_stops_it(monkeypatch: pytest.Monk
     pool.shutdown()
 
 
-@pytest.mark.spec("STORE-51")
+@pytest.mark.spec("STORE-51", "STORE-53")
 def test_close_wakes_a_helper_waiting_for_its_next_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = _Capturing()
     pieces = PieceCrc(memoryview(bytes(4 * PIECE)), PIECE, 0, pool)

@@ -119,7 +119,7 @@ def test_chunkless_tensors_lists_only_unplanned_tensors() -> None:
     }
 
 
-@pytest.mark.spec("DEDUP-8", "DEDUP-13")
+@pytest.mark.spec("DEDUP-8", "DEDUP-13", "DEDUP-22")
 def test_the_coordinator_digests_its_plan_only_beside_other_ranks() -> None:
     from refdcp.planning import DefaultSavePlanner
     from refdcp.planning.flatten import RESERVED_KEY

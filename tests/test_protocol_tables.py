@@ -95,7 +95,7 @@ def test_every_row_is_written_literally_one_per_line(module: Any) -> None:
     assert all(c.lineno == c.end_lineno for c in calls)
 
 
-@pytest.mark.spec("PROTO-12", "SAVE-9")
+@pytest.mark.spec("PROTO-12", "SAVE-9", "PROTO-13")
 @pytest.mark.parametrize("table", [SAVE, LOAD], ids=lambda t: t.name)
 def test_fault_after_the_last_action_is_a_row_of_the_table(table: Table) -> None:
     row = table.lookup(Phase.DONE, On.ERR, True)
@@ -118,7 +118,7 @@ def test_a_failed_rank_raises_where_the_row_says_return() -> None:
     assert action.kind is Kind.RAISE and action.error is not None and action.error.committed
 
 
-@pytest.mark.spec("PROTO-12", "PROTO-7")
+@pytest.mark.spec("PROTO-12", "PROTO-7", "PROTO-13")
 def test_both_drivers_end_a_fault_after_the_last_action_the_same_way() -> None:
     def contexts() -> list[SaveContext]:
         return [
@@ -155,7 +155,7 @@ def test_rows_reject_a_local_action_without_a_step() -> None:
         Row(Phase.IDLE, On.START, SAVE.rows[0].role, Phase.SET_UP, Kind.LOCAL)
 
 
-@pytest.mark.spec("PROTO-12")
+@pytest.mark.spec("PROTO-12", "PROTO-13")
 @pytest.mark.parametrize("table", [SAVE, LOAD], ids=lambda t: t.name)
 def test_a_fault_on_a_rank_about_to_raise_joins_its_error(table: Table) -> None:
     agreed = FailureReport("write", {0: Failure(0, "write", OSError("disk"), "tb")})

@@ -1,4 +1,4 @@
-"""Reliability: the commit status a rank reports is true, or says "unknown" (SAVE-15..SAVE-17).
+"""Reliability: the commit status a rank reports is true, or says "unknown" (SAVE-15, SAVE-16).
 
 Issue 11 item 6: when the coordinator died after its commit, when the
 directory fsync failed after the rename, or when a writer's ``finish`` raised

@@ -20,14 +20,14 @@ from tests._replica_spies import EarlyDigests, count_digested
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-@pytest.mark.spec("DEDUP-13")
+@pytest.mark.spec("DEDUP-13", "DEDUP-22")
 def test_a_single_rank_save_digests_nothing(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = count_digested(monkeypatch)
     refdcp.save({"w": torch.ones(1000), "b": torch.zeros(3)}, checkpoint_id=tmp_path, no_dist=True)
     assert seen == []
 
 
-@pytest.mark.spec("DEDUP-13", "DEDUP-17")
+@pytest.mark.spec("DEDUP-13", "DEDUP-17", "DEDUP-19", "DEDUP-22")
 def test_a_rank_digests_only_replicas_it_does_not_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -43,7 +43,7 @@ def test_a_rank_digests_only_replicas_it_does_not_write(
     assert sorted(seen) == [7]
 
 
-@pytest.mark.spec("DEDUP-13")
+@pytest.mark.spec("DEDUP-13", "DEDUP-22")
 def test_plan_digests_cover_what_others_may_hold(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,7 +94,7 @@ def _dtensor_digests(rank: int, world: int, path: str, early: bool) -> list[str]
     return names
 
 
-@pytest.mark.spec("DEDUP-13")
+@pytest.mark.spec("DEDUP-13", "DEDUP-22")
 def test_dtensor_shards_held_by_one_rank_are_not_digested() -> None:
     with tempfile.TemporaryDirectory() as d:
         early = run_gloo(2, _dtensor_digests, f"{d}/a", True, timeout=150)

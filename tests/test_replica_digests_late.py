@@ -45,7 +45,7 @@ def _disagreeing(comm: Any) -> dict[str, Any]:
     return {"w": torch.full((64,), float(comm.rank == 2)), "b": torch.ones(3), "step": 1}
 
 
-@pytest.mark.spec("DEDUP-17", "SAVE-7")
+@pytest.mark.spec("DEDUP-17", "SAVE-7", "DEDUP-21")
 def test_disagreeing_replicas_fail_every_rank_before_the_commit(tmp_path: Any) -> None:
     def rank(comm: Any) -> tuple[str, list[str], bool | None]:
         with pytest.raises(CheckpointError) as err:
@@ -118,7 +118,7 @@ def _writer(path: Any, before: Any = None, fail: bool = False) -> Any:
     return writer
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-18")
 def test_digests_run_on_a_worker_while_the_rank_writes(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,7 +146,7 @@ def test_digests_run_on_a_worker_while_the_rank_writes(
     assert threads == ["refdcp-replica-digests"] * 2
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-21")
 def test_a_failing_digest_worker_fails_the_save(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -186,7 +186,7 @@ def _slow_units(monkeypatch: pytest.MonkeyPatch, log: list[tuple[str, float, int
     monkeypatch.setattr(replica_late, "digest_units", slow)
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-21")
 @pytest.mark.parametrize("where", ["first", "last"])  # the worker's end, or its owner's
 def test_an_error_in_a_unit_of_digest_work_fails_the_save(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, where: str
@@ -215,7 +215,7 @@ def test_an_error_in_a_unit_of_digest_work_fails_the_save(
     assert not (tmp_path / ".metadata").exists()
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-21")
 def test_a_failed_write_waits_for_the_digest_worker(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,7 +236,7 @@ def test_a_failed_write_waits_for_the_digest_worker(
     assert len(log) < 8  # the rest was never computed: the failed save stopped the worker
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-21")
 def test_a_write_failing_before_the_worker_is_ready_still_stops_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -263,7 +263,7 @@ def test_a_write_failing_before_the_worker_is_ready_still_stops_it(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are Linux-only")
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-18")
 def test_the_worker_runs_at_the_lowest_priority_and_its_owner_does_not(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -283,7 +283,7 @@ def test_the_worker_runs_at_the_lowest_priority_and_its_owner_does_not(
     assert set(by_owner) <= {base}  # the rank's own thread keeps its priority
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-21")
 def test_async_save_reports_disagreeing_replicas(tmp_path: Any) -> None:
     def rank(comm: Any) -> str:
         handle = refdcp.async_save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
@@ -311,7 +311,7 @@ def test_opting_out_digests_nothing_after_the_write(
     assert calls == [] and (tmp_path / ".metadata").exists()
 
 
-@pytest.mark.spec("DEDUP-17", "DEDUP-6")
+@pytest.mark.spec("DEDUP-17", "DEDUP-6", "DEDUP-21")
 def test_problems_name_each_key_once_in_key_order() -> None:
     a, b0, b4 = ("a", None), ("b", torch.Size([0])), ("b", torch.Size([4]))
     sums: list[Any] = [{b4: 1, a: 2, b0: 5}, None, {a: 2, b4: 3, b0: 5}, {b4: 3}, {}]
@@ -345,7 +345,7 @@ SIZES = {  # the writer's paths: small parts, inline frame, by the writer in pie
 }
 
 
-@pytest.mark.spec("DEDUP-17", "STORE-52")
+@pytest.mark.spec("DEDUP-17", "STORE-52", "DEDUP-19")
 @pytest.mark.parametrize("size", list(SIZES), ids=list(SIZES))
 @pytest.mark.parametrize("storage", ["filesystem", "memory"])
 def test_writers_record_the_value_digest_the_planner_computes(
@@ -381,7 +381,7 @@ def test_writers_record_the_value_digest_the_planner_computes(
     assert got["plain"] == crc32c(plain.numpy().tobytes(), seed)
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-19")
 @pytest.mark.parametrize("writer_kind", ["refdcp", "torch"])
 @pytest.mark.parametrize("odd_rank", [0, 1])
 def test_the_writers_own_value_is_compared_too(
@@ -409,7 +409,7 @@ def test_the_writers_own_value_is_compared_too(
     assert not (tmp_path / ".metadata").exists()
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-19")
 def test_a_writer_recording_no_digest_gets_them_computed_after_its_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -444,7 +444,7 @@ class _Doubling(DefaultSavePlanner):
         return data * 2 if isinstance(data, torch.Tensor) else data
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-19")
 def test_a_planner_writing_other_data_digests_its_values_itself(tmp_path: Any) -> None:
     def rank(comm: Any) -> None:
         sd = {"a": torch.ones(300_000), "b": torch.ones(300_000)}  # 1.2 MB: recorded by writers
@@ -462,7 +462,7 @@ def _named_keys(message: str) -> set[str]:
     return set(re.findall(r"replicas of '([^']+)'", message))
 
 
-@pytest.mark.spec("DEDUP-17", "DEDUP-13")
+@pytest.mark.spec("DEDUP-17", "DEDUP-13", "DEDUP-21")
 @given(data=st.data())
 def test_late_and_early_checks_name_the_same_keys(data: st.DataObject) -> None:
     world = data.draw(st.integers(2, 4), label="world")
@@ -518,7 +518,7 @@ class _Capturing(DefaultSavePlanner):
         return out
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-20")
 def test_ranks_with_equal_plans_and_values_send_one_group(tmp_path: Any) -> None:
     def rank(comm: Any) -> Any:
         planner = _Capturing()
@@ -536,7 +536,7 @@ def test_ranks_with_equal_plans_and_values_send_one_group(tmp_path: Any) -> None
     assert "ranks [0, 1, 2] hold checksum" in msg and "ranks [3] hold checksum" in msg
 
 
-@pytest.mark.spec("DEDUP-17")
+@pytest.mark.spec("DEDUP-17", "DEDUP-20")
 def test_a_repeated_group_is_screened_once_and_still_named() -> None:
     from refdcp.planning.dedup.deferred import RankDigests, replica_problems
 
@@ -574,7 +574,7 @@ class _CachingCapture(_Capturing):
         super().__init__(enable_plan_caching=True)
 
 
-@pytest.mark.spec("DEDUP-17", "PLAN-12")
+@pytest.mark.spec("DEDUP-17", "PLAN-12", "DEDUP-20")
 def test_a_cached_plan_is_named_by_its_own_digest_after_a_failed_save() -> None:
     # a group names the digested keys; after a save whose plan failed, a rank reusing its
     # cached plan must name it by that plan's digest, not by the failed plan's

@@ -82,7 +82,7 @@ def test_adjacent_small_items_share_one_read(
     assert calls == [2 * len(state) + 1]  # the framing spans between the elements, one read
 
 
-@pytest.mark.spec("STORE-47", "LOAD-10")
+@pytest.mark.spec("STORE-47", "LOAD-10", "STORE-54")
 @pytest.mark.parametrize("where", ["elements", "framing"])
 def test_a_damaged_item_inside_a_run_is_named(tmp_path: Path, where: str) -> None:
     state = _state()
@@ -157,7 +157,7 @@ class _ScratchPlanner(DefaultLoadPlanner):
         super().resolve_tensor(read_item).copy_(tensor)
 
 
-@pytest.mark.spec("STORE-47", "STORE-12")
+@pytest.mark.spec("STORE-47", "STORE-12", "STORE-54")
 def test_a_custom_planner_gets_one_item_at_a_time(tmp_path: Path) -> None:
     state = _state(8)
     _save(tmp_path, state)
@@ -168,7 +168,7 @@ def test_a_custom_planner_gets_one_item_at_a_time(tmp_path: Path) -> None:
     assert all(torch.equal(dest[k], v) for k, v in state.items())
 
 
-@pytest.mark.spec("STORE-47")
+@pytest.mark.spec("STORE-47", "STORE-54")
 def test_destinations_that_overlap_in_memory_are_read_one_at_a_time(tmp_path: Path) -> None:
     state = {"a": torch.ones(16), "b": torch.full((16,), 2.0)}
     _save(tmp_path, state)

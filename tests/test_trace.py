@@ -171,3 +171,14 @@ def test_bad_cli_arguments_are_usage_errors(
 def test_run_trace_refuses_worlds_below_one(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="must be an int >= 1"):
         run_trace(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.spec("TRACE-13")
+def test_the_text_trace_says_its_file_names_come_from_memory_storage() -> None:
+    import re
+
+    text = _run(save_world=2, load_world=2, sharding="rows", fmt="text")
+    heading = text.splitlines()[1]
+    assert "MemoryStorage" in heading and "g1" in heading and "hex token" in heading
+    names = set(re.findall(r"__\d+_\d+\.(\w+)\.distcp", text))
+    assert names == {"g1"}  # the generation the heading announces, not a hex token

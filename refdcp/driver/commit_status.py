@@ -1,4 +1,4 @@
-"""Truthful commit status of a failed save: True, False, or None for "unknown" (SAVE-15..SAVE-17).
+"""Truthful commit status of a failed save: True, False, or None for "unknown" (SAVE-15, SAVE-16).
 
 A rank may only report ``committed=False`` when it knows the commit point was
 not passed. Three cases used to report a false "not committed":

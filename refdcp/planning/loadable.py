@@ -120,7 +120,7 @@ def allowing_options(type_name: str) -> str:
 
 
 def staging_refusal(key: str, value: Any, exc: BaseException) -> UnloadableValueError:
-    """A stager's failure to copy a value, naming its key, type and cause (SAVE-17)."""
+    """A stager's failure to copy a value, naming its key, type and cause (ASYNC-17)."""
     why = f"cannot be staged ({type(exc).__name__}: {exc})"
     problem = loadability_problem(value)
     if problem is not None:

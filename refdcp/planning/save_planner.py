@@ -490,7 +490,7 @@ class DefaultSavePlanner(SavePlanner):
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while planning creates many small objects (DEDUP-8, PLAN-9)."""
+    """Pause the cyclic GC while planning creates many small objects, on any thread (API-20)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

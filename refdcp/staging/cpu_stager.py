@@ -1,9 +1,11 @@
-"""Blocking CPU stager, fresh or with cached buffers (STAGE-6..STAGE-13).
+"""CPU stager, fresh or with cached buffers, blocking unless asked to copy in the background.
 
 :class:`CpuStager` implements torch's ``AsyncStager`` protocol (``stage``,
 ``should_synchronize_after_execute``, ``synchronize_staging``, ``close``) so it
 can be passed to ``torch.distributed.checkpoint.async_save`` as well as to
-``refdcp.async_save``. ``stage`` returns only once the snapshot is complete.
+``refdcp.async_save``. ``stage`` returns once the snapshot is complete
+(STAGE-6..STAGE-13), or, with ``background_copy=True``, returns a ``Future`` of
+the snapshot at once and copies on a staging thread (STAGE-18).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class CpuStager(AsyncStager):
-    """Stage a state dict into CPU memory, blocking until the copy is complete (STAGE-6).
+    """Stage a state dict into CPU memory: blocking (STAGE-6), or in the background (STAGE-18).
 
     * ``cache_staged_state_dict=False``: every ``stage`` allocates a fresh copy.
     * ``cache_staged_state_dict=True``: copies go into a :class:`BufferPool`

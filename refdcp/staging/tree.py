@@ -219,7 +219,7 @@ def _find(tree: Any, obj: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
 
 
 def _named(path: tuple[Any, ...], obj: Any, exc: Exception) -> Exception:
-    """A staging failure that names the value's key path and type (SAVE-17)."""
+    """A staging failure that names the value's key path and type (ASYNC-17)."""
     from refdcp.planning.loadable import staging_refusal
 
     return staging_refusal(".".join(map(str, path)) or "<root>", obj, exc)

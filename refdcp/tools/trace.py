@@ -282,10 +282,18 @@ def _read_item(md: Metadata, ri: ReadItem) -> str:
 _STEPS_HEADER = "protocol steps (step:outcome; a collective shows as kind(what it carries)):"
 
 
+#: Where the trace's files live, and why their names differ from a filesystem save's (TRACE-13).
+_STORAGE_NOTE = (
+    "storage: refdcp.MemoryStorage (in memory, deterministic: file names carry the save's "
+    "generation, g1, where a filesystem save puts a random hex token, STORE-2, STORE-22)"
+)
+
+
 def render_text(res: TraceResult) -> str:
     lines = [
         f"refdcp trace: save at world {res.save_world}, load at world {res.load_world} "
         f"(sharding={res.sharding}, dedup={'on' if res.dedup else 'off'})",
+        _STORAGE_NOTE,
         "",
         "== SAVE ==",
         _STEPS_HEADER,

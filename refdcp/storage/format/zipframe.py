@@ -1,4 +1,4 @@
-"""torch.save-compatible framing written around raw tensor bytes (FMT-3, FMT-4, FMT-20..FMT-23).
+"""torch.save-compatible framing written around raw tensor bytes (FMT-3, FMT-4, FMT-20..FMT-22).
 
 A tensor item in a ``.distcp`` file is a complete zip archive that
 ``torch.load(..., weights_only=True)`` reads.  Instead of calling

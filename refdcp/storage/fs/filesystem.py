@@ -246,6 +246,18 @@ class FileSystemWriter(_AtPath, StorageWriter):
     ) -> None:
         super().__init__()
         _refuse_torch_only_options(_extensions, serialization_format)
+        # torch's GPU copy-ahead and its writer-as-stager cache: refdcp's writer has
+        # neither (stage with refdcp.CpuStager), so only the defaults are accepted (API-10)
+        if per_thread_copy_ahead != 10_000_000:
+            raise ValueError(
+                "refdcp's FileSystemWriter does not implement per_thread_copy_ahead "
+                f"(got {per_thread_copy_ahead!r}); leave it at its default, 10_000_000"
+            )
+        if cache_staged_state_dict:
+            raise ValueError(
+                "refdcp's FileSystemWriter is not a stager, so cache_staged_state_dict=True "
+                "does nothing; pass refdcp.CpuStager(cache_staged_state_dict=True) to async_save"
+            )
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(path)

@@ -1,4 +1,4 @@
-"""Reading a stored tensor straight into place, whatever its size or writer (STORE-40..STORE-43).
+"""Reading a stored tensor straight into place, whatever its size or writer (STORE-40..STORE-42).
 
 ``FileSlice`` is a seekable read-only view of one item's byte range in an
 open file (reads are ``os.preadv`` into the caller's buffer, nothing is
