@@ -6,7 +6,7 @@ All problems are collected and raised together, before any read is planned
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,22 @@ class LoadPolicyError(ProblemsError):
 
     headline = "state_dict does not match the checkpoint"
 
+    def __init__(self, problems: Sequence[str], checkpoint: str | None = None) -> None:
+        super().__init__(problems)
+        self.checkpoint: str | None = None
+        if checkpoint is not None:
+            self.name_checkpoint(checkpoint)
+
+    def name_checkpoint(self, checkpoint: str) -> None:
+        """Name the checkpoint the state dict was checked against in the message (API-22)."""
+        self.checkpoint = checkpoint
+        self.args = (
+            str(self.args[0]).replace(self.headline, f"{self.headline} at {checkpoint}", 1),
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.problems, self.checkpoint))
+
 
 def _dest_dtype(obj: Any) -> torch.dtype | None:
     dtype = getattr(obj, "dtype", None)
@@ -55,9 +71,13 @@ def check_load(
     """(keys to load, problems) for a flattened destination against the checkpoint (POLICY-1..6)."""
     problems: list[str] = []
     keys: list[str] = []
-    missing = [k for k in dest if k not in saved]
-    if missing and policy.strict:
-        problems.append(f"missing keys (in the state_dict, not in the checkpoint): {missing}")
+    if policy.strict:  # torch's wording first, which callers match on (API-22)
+        problems += [
+            f"Missing key in checkpoint state_dict: {k}. ({k!r} is in the state_dict, "
+            "not in the checkpoint)"
+            for k in dest
+            if k not in saved
+        ]
     if policy.reject_unexpected:
         unexpected = [k for k in saved if k not in dest]
         if unexpected:
@@ -92,8 +112,10 @@ def check_load(
                 continue
             shape = tuple(obj.size())
             if shape != tuple(md.size):
-                problems.append(
-                    f"{fqn!r}: shape mismatch: checkpoint {list(md.size)}, state_dict {list(shape)}"
+                problems.append(  # torch's wording first (API-22)
+                    f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn} "
+                    f"({fqn!r}: shape mismatch: checkpoint {list(md.size)}, "
+                    f"state_dict {list(shape)})"
                 )
             dtype = _dest_dtype(obj)
             if dtype is not None and dtype != md.properties.dtype and not policy.allow_cast:

@@ -14,7 +14,10 @@ constructor that only validates and stores its arguments:
 * ``datetime.date/time/datetime/timedelta/timezone``, ``decimal.Decimal``,
   ``fractions.Fraction``, ``uuid.UUID``;
 * ``frozenset``, ``slice``, ``range``;
-* the ``pathlib`` path classes (built from strings, no I/O).
+* the ``pathlib`` path classes (built from strings, no I/O);
+* ``io.BytesIO`` (its buffer, position and ``__dict__`` are restored by C code), so a
+  ``BytesIO`` value round-trips as it does with torch (API-23); ``bytes()`` with no
+  argument, which pickles an empty ``bytes`` (``bytes(n)`` stays refused).
 
 Not on the list: ``collections.deque`` and ``defaultdict`` (torch's weights-only
 unpickler cannot rebuild them), and, on purpose, user-defined classes (dataclasses, Enums, ...).
@@ -29,6 +32,7 @@ import argparse
 import datetime
 import decimal
 import fractions
+import io
 import pathlib
 import pickle
 import re
@@ -96,7 +100,17 @@ def default_safe_globals() -> list[Any]:
         pathlib.Path,
         pathlib.PosixPath,
         pathlib.WindowsPath,
+        io.BytesIO,
+        (_empty_bytes, "builtins.bytes"),
     ]
+
+
+def _empty_bytes(*args: object) -> bytes:
+    """What a pickle's ``bytes()`` call (an empty ``bytes`` or ``BytesIO`` value) rebuilds:
+    ``b""`` and nothing else, so a pickle cannot ask for ``bytes(n)`` (n zero bytes)."""
+    if args:
+        raise pickle.UnpicklingError("only bytes() with no argument is allowed (LOAD-7)")
+    return b""
 
 
 class UnsafeObjectError(RefdcpError, pickle.UnpicklingError):
