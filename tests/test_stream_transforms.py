@@ -511,3 +511,52 @@ def _rest(world: int, rank: int) -> dict[str, Any]:
     """The keys a torch-side checkpoint lacks, filled as expected, so _problems checks the rest."""
     full = _state(_ROWS, _SEED, world, rank, True)
     return {k: v for k, v in full.items() if not k.startswith(_KEYS)}
+
+
+@pytest.mark.spec("INTEG-12")
+@pytest.mark.parametrize("transformed", [False, True])
+@pytest.mark.parametrize("differ", [False, True])
+def test_replica_digests_are_the_untransformed_values(
+    tmp_path: Path, transformed: bool, differ: bool
+) -> None:
+    """Replicas that differ in value fail the save (DEDUP-17) with or without transforms; equal
+    replicas commit, and the recorded digests are the same with and without them."""
+    exts = [Xor()] if transformed else None
+
+    def rank(comm: Any) -> Any:
+        value = float(comm.rank) if differ else 1.0
+        sd = {"rep": torch.full((64,), value), f"own{comm.rank}": torch.full((3,), 2.0)}
+        w = FileSystemWriter(tmp_path, _extensions=exts)
+        return refdcp.save(sd, storage_writer=w, comm=comm)
+
+    if differ:
+        with pytest.raises(Exception, match="replicas differ in value"):
+            FakeWorld(2).run(rank, timeout=60)
+        assert not (tmp_path / ".metadata").exists()
+        return
+    FakeWorld(2).run(rank, timeout=60)
+    enc = tr.encode_tensor(torch.full((64,), 1.0))
+    enc.final_crc()
+    stored = tr.WriteTransforms([Xor()]).encode(enc.parts)
+    assert stored == bytes(b ^ 0xA5 for b in b"".join(bytes(p) for p in enc.parts))
+
+    class Out:
+        position = 0
+
+        def write(self, parts: list[Any]) -> None:
+            self.position += sum(len(p) for p in parts)
+
+    class Planner:
+        def resolve_data(self, item: Any) -> torch.Tensor:
+            return torch.full((64,), 1.0)
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from refdcp.storage.records import value_crc_of
+
+    item = WriteItem(index=MetadataIndex("rep"), type=WriteItemType.TENSOR)
+    (result,) = tr.write_transformed_items(
+        Out(), "f", [item], Planner(), tr.WriteTransforms([Xor()])
+    )  # type: ignore[arg-type]
+    assert value_crc_of(result) == enc.value_crc is not None
