@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from refdcp.call_forms import storage_positional
 from refdcp.comm.base import Communicator
 from refdcp.driver.gcpause import gc_paused
 from refdcp.driver.run import FaultHook, Observer, drive
@@ -87,6 +88,7 @@ def _require_id(storage: object, checkpoint_id: Any, what: str) -> None:
         raise ValueError(f"`checkpoint_id` must be given when no {what} is given (API-5)")
 
 
+@storage_positional("storage_writer")
 def save(
     state_dict: dict[str, Any],
     *,
@@ -187,6 +189,7 @@ def _save_without_collectives(
     return result
 
 
+@storage_positional("storage_reader")
 def load(
     state_dict: dict[str, Any],
     *,

@@ -35,6 +35,7 @@ that raise it. The whole hierarchy (module of definition in brackets)::
         ├── StagingTimeoutError (+ TimeoutError)        no staging buffer became free (STAGE-5)
         ├── StateDictError (+ RuntimeError)             (SD-4)
         ├── ConvertError                                a conversion cannot be faithful (TOOL-21)
+        ├── UnexplainedField (+ RuntimeError)           a plan field life-of-a-save cannot explain (TOOL-27)
         └── storage errors                              [storage.errors] (re-exported by refdcp.storage)
             ├── CorruptionError                         bytes do not match their checksum (INTEG-3)
             │   └── MalformedMetadataError              .metadata has a wrong shape (FMT-9)
@@ -46,6 +47,7 @@ that raise it. The whole hierarchy (module of definition in brackets)::
             ├── CheckpointExistsError (+ FileExistsError)  overwrite=False and one exists (STORE-6)
             ├── ConcurrentSaveError                     another save holds the lock
             ├── MetadataUnreadableError                 verify cannot read .metadata (TOOL-13)
+            ├── TransformUnavailableError (+ ValueError)  a stream transform cannot be undone here (FMT-25)
             └── MetadataFieldMissing                    internal to the bulk metadata check
 
 :class:`Failure` (one rank's failure) and :class:`FailureReport` (the failures
@@ -95,6 +97,7 @@ __all__ = [
     "SpawnError",
     "StagingTimeoutError",
     "StateDictError",
+    "UnexplainedField",
 ]
 
 
@@ -236,3 +239,8 @@ class ConvertError(RefdcpError):
 
 class MetadataLoadError(RuntimeError):
     """``.metadata`` is unreadable, corrupt or names a global outside the allow-list (TOOL-7)."""
+
+
+class UnexplainedField(RefdcpError, RuntimeError):
+    """A local plan carries a ``planner_data`` field that ``refdcp.tools.life_of_a_save``
+    does not explain (TOOL-27): the generated page would teach nothing about it."""

@@ -107,8 +107,8 @@ def test_unimplemented_torch_writer_options_are_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="TORCH_SAVE"):
         refdcp.FileSystemWriter(tmp_path, serialization_format=SerializationFormat.SAFETENSORS)
-    with pytest.raises(ValueError, match="_extensions"):
-        refdcp.FileSystemWriter(tmp_path, _extensions=[object()])
+    with pytest.raises(ValueError, match="_extensions: object is not a stream transform"):
+        refdcp.FileSystemWriter(tmp_path, _extensions=[object()])  # transforms: FMT-23
     refdcp.FileSystemWriter(tmp_path, serialization_format=SerializationFormat.TORCH_SAVE)
     with pytest.raises(ValueError, match="per_thread_copy_ahead"):
         refdcp.FileSystemWriter(tmp_path, per_thread_copy_ahead=1)

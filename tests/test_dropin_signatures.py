@@ -159,3 +159,119 @@ def test_save_planner_accepts_torchs_positionals() -> None:
         refdcp.DefaultSavePlanner(dedup_replicated_tensors=True)
     with pytest.raises(TypeError):
         refdcp.DefaultSavePlanner(True, True, None, False, False, True)  # type: ignore[misc]
+
+
+# -- call forms: what torch accepts, refdcp accepts with the same meaning (API-22) -------------
+
+#: an argument of a call form, by role; ``kw`` names the keyword it takes
+_ROLES = ("sd", "storage", "id", "planner")
+
+
+def _materials(fn: str, lib: Any, root: Any) -> dict[str, Any]:
+    import torch
+
+    if fn == "load":
+        return {
+            "sd": {"w": torch.zeros(2)},
+            "storage": lib.FileSystemReader(root / "s"),
+            "id": str(root / "c"),
+            "planner": lib.DefaultLoadPlanner(),
+        }
+    return {
+        "sd": {"w": torch.full((2,), 7.0)},
+        "storage": lib.FileSystemWriter(root / "s"),
+        "id": str(root / "c"),
+        "planner": lib.DefaultSavePlanner(),
+    }
+
+
+def _keyword(fn: str, role: str) -> str:
+    storage = "storage_reader" if fn == "load" else "storage_writer"
+    return {"sd": "state_dict", "storage": storage, "id": "checkpoint_id", "planner": "planner"}[
+        role
+    ]
+
+
+def _outcome(
+    fn: str, lib: Any, root: Any, positional: tuple[str, ...], keywords: tuple[str, ...]
+) -> tuple[bool, object, bool]:
+    """(accepted, what it did, warned about the argument order) for one call form."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root.mkdir()
+    if fn == "load":  # two checkpoints, told apart by their values
+        for name, value in (("s", 1.0), ("c", 2.0)):
+            dcp.save({"w": torch.full((2,), value)}, checkpoint_id=root / name, no_dist=True)
+    m = _materials(fn, lib, root)
+    args = [m[r] for r in positional]
+    kwargs = {_keyword(fn, r): m[r] for r in keywords} | {"no_dist": True}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            result = getattr(lib, fn)(*args, **kwargs)
+            if fn == "async_save":
+                result.result()
+        except (Exception, dcp.api.CheckpointException):  # torch's is a BaseException
+            return False, None, False
+    warned = any("argument order" in str(w.message) for w in seen)
+    if fn == "load":
+        dest = kwargs.get("state_dict", args[0] if args else None)
+        return True, float(dest["w"][0]), warned
+    return True, sorted(p.parent.name for p in root.glob("*/.metadata")), warned
+
+
+@pytest.mark.spec("API-22", "API-10")
+@pytest.mark.parametrize("fn", ["save", "load", "async_save"])
+def test_call_forms_torch_accepts_refdcp_accepts_with_the_same_meaning(
+    fn: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from hypothesis import example, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        positional=st.lists(st.sampled_from(_ROLES), max_size=3).map(tuple),
+        keywords=st.sets(st.sampled_from(_ROLES)).map(lambda s: tuple(sorted(s))),
+    )
+    @example(positional=("sd", "storage"), keywords=())  # torch's older form
+    @example(positional=("sd", "storage"), keywords=("planner",))
+    @example(positional=("sd", "storage"), keywords=("id", "planner"))
+    @example(positional=("sd", "storage"), keywords=("storage",))  # given twice
+    @example(positional=("sd", "storage", "planner"), keywords=())
+    @example(positional=("sd",), keywords=("storage", "planner"))
+    @example(positional=(), keywords=("id", "sd"))
+    @example(positional=("sd",), keywords=("id", "storage"))
+    def check(positional: tuple[str, ...], keywords: tuple[str, ...]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        import refdcp
+
+        base = tmp_path_factory.mktemp(fn)
+        theirs = _outcome(fn, dcp, base / "torch", positional, keywords)
+        ours = _outcome(fn, refdcp, base / "refdcp", positional, keywords)
+        assert ours == theirs, (positional, keywords)
+
+    check()
+
+
+@pytest.mark.spec("API-22")
+def test_the_two_positional_form_maps_to_the_storage_keyword(tmp_path: Any) -> None:
+    import torch
+
+    writer = refdcp.FileSystemWriter(tmp_path)
+    with pytest.warns(UserWarning, match="argument order of save has changed"):
+        refdcp.save({"w": torch.ones(3)}, writer, no_dist=True)
+    out = {"w": torch.zeros(3)}
+    with pytest.warns(UserWarning, match="argument order of load has changed"):
+        refdcp.load(out, refdcp.FileSystemReader(tmp_path), no_dist=True)
+    assert torch.equal(out["w"], torch.ones(3))
+    with pytest.raises(TypeError, match="multiple values for argument 'storage_reader'"):
+        refdcp.load(out, refdcp.FileSystemReader(tmp_path), storage_reader=None, no_dist=True)
+    with pytest.raises(TypeError):
+        refdcp.async_save(out, refdcp.FileSystemWriter(tmp_path), no_dist=True)  # type: ignore[misc]
+    assert inspect.signature(refdcp.save).parameters["state_dict"].kind == (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD
+    )

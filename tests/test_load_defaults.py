@@ -101,7 +101,7 @@ def test_allow_list_holds_no_code_running_callables() -> None:
     assert not any(n.startswith(("os.", "subprocess.", "posix.", "importlib.")) for n in names)
 
 
-@pytest.mark.spec("LOAD-8", "LOAD-9")
+@pytest.mark.spec("LOAD-8", "LOAD-9", "LOAD-18")
 def test_refused_value_names_key_class_and_option(tmp_path: Path) -> None:
     # the save must be told the classes are allowed (SAVE-12); a load without them refuses
     saver = refdcp.DefaultSavePlanner(safe_globals=[Config, Color])

@@ -127,8 +127,7 @@ def test_all_problems_reported_together_and_nothing_loaded() -> None:
     text = "\n".join(err.value.problems)
     assert len(err.value.problems) == 5
     for needle in (
-        "missing keys",
-        "['missing']",
+        "Missing key in checkpoint state_dict: missing.",
         "unexpected keys",
         "['d']",
         "'a': shape",

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from refdcp.driver.commit_status import mark_finish_error
 from refdcp.errors import ProtocolError
+from refdcp.planning import LoadPolicyError
 from refdcp.protocol.names import Slot, Step
 
 __all__ = [
@@ -273,9 +274,14 @@ class LoadContext(_Base):
 
     def step_local_plan(self) -> None:
         assert self.planner is not None and self.reader is not None
-        self.slots[Slot.LOCAL_PLAN] = self.reader.prepare_local_plan(
-            self.planner.create_local_plan()
-        )
+        try:
+            plan = self.planner.create_local_plan()
+        except LoadPolicyError as e:  # name the checkpoint it was checked against (API-23)
+            where = self.checkpoint_id or getattr(self.reader, "checkpoint_id", None)
+            if where is not None and e.checkpoint is None:
+                e.name_checkpoint(str(where))
+            raise
+        self.slots[Slot.LOCAL_PLAN] = self.reader.prepare_local_plan(plan)
 
     def step_global_plan(self) -> None:
         assert self.planner is not None and self.reader is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from refdcp.errors_core import ProblemsError, RefdcpError
 
 __all__ = [
@@ -23,6 +25,22 @@ class LoadPolicyError(ProblemsError):
     """The state dict does not fit the checkpoint; ``problems`` lists every mismatch (POLICY-1)."""
 
     headline = "state_dict does not match the checkpoint"
+
+    def __init__(self, problems: Sequence[str], checkpoint: str | None = None) -> None:
+        super().__init__(problems)
+        self.checkpoint: str | None = None
+        if checkpoint is not None:
+            self.name_checkpoint(checkpoint)
+
+    def name_checkpoint(self, checkpoint: str) -> None:
+        """Name the checkpoint the state dict was checked against in the message (API-23)."""
+        self.checkpoint = checkpoint
+        self.args = (
+            str(self.args[0]).replace(self.headline, f"{self.headline} at {checkpoint}", 1),
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.problems, self.checkpoint))
 
 
 class UnloadableValueError(ProblemsError):

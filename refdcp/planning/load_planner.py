@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from refdcp.storage.fs.small_reads import register_default_methods
 from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
-    default_safe_globals,
+    load_weights_only,
     refused_global,
     unpickler_detail,
 )
@@ -191,8 +191,7 @@ def load_object(fqn: str, value: io.BytesIO, allow_pickle: bool, extra: Sequence
     if allow_pickle:
         return torch.load(value, weights_only=False)
     try:
-        with torch.serialization.safe_globals([*default_safe_globals(), *extra]):
-            return torch.load(value, weights_only=True)
+        return load_weights_only(value, list(extra))
     except pickle.UnpicklingError as e:
         raise UnsafeObjectError(fqn, refused_global(str(e)), unpickler_detail(str(e))) from e
 

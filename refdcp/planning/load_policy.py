@@ -49,9 +49,13 @@ def check_load(
     """(keys to load, problems) for a flattened destination against the checkpoint (POLICY-1..6)."""
     problems: list[str] = []
     keys: list[str] = []
-    missing = [k for k in dest if k not in saved]
-    if missing and policy.strict:
-        problems.append(f"missing keys (in the state_dict, not in the checkpoint): {missing}")
+    if policy.strict:  # torch's wording first, which callers match on (API-23)
+        problems += [
+            f"Missing key in checkpoint state_dict: {k}. ({k!r} is in the state_dict, "
+            "not in the checkpoint)"
+            for k in dest
+            if k not in saved
+        ]
     if policy.reject_unexpected:
         unexpected = [k for k in saved if k not in dest]
         if unexpected:
@@ -86,8 +90,10 @@ def check_load(
                 continue
             shape = tuple(obj.size())
             if shape != tuple(md.size):
-                problems.append(
-                    f"{fqn!r}: shape mismatch: checkpoint {list(md.size)}, state_dict {list(shape)}"
+                problems.append(  # torch's wording first (API-23)
+                    f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn} "
+                    f"({fqn!r}: shape mismatch: checkpoint {list(md.size)}, "
+                    f"state_dict {list(shape)})"
                 )
             dtype = _dest_dtype(obj)
             if dtype is not None and dtype != md.properties.dtype and not policy.allow_cast:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from refdcp.planning.errors import UnloadableValueError
-from refdcp.storage.metadata.safe_globals import default_safe_globals
+from refdcp.storage.metadata.safe_globals import default_safe_globals, load_weights_only
 
 __all__ = [
     "UnloadableValueError",
@@ -64,10 +64,8 @@ def loadability_problem(value: Any, safe_globals: Sequence[Any] = ()) -> str | N
     except Exception as exc:
         return f"cannot be pickled ({type(exc).__name__}: {exc}); convert it to plain data"
     buf.seek(0)
-    allowed = [*default_safe_globals(), *safe_globals]
     try:
-        with torch.serialization.safe_globals(allowed):
-            torch.load(buf, map_location="cpu", weights_only=True)
+        load_weights_only(buf, list(safe_globals))
     except Exception as exc:
         first = _unpickler_reason(exc)
         return f"saves, but a default load (weights_only=True) cannot unpickle it ({first}); " + (

@@ -34,7 +34,7 @@ from refdcp.planning.flatten import flatten_state_dict, set_by_rich_path
 from refdcp.planning.load_policy import check_load
 from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
-    default_safe_globals,
+    load_weights_only,
     refused_global,
     unpickler_detail,
 )
@@ -102,8 +102,7 @@ class ReferenceLoadPlanner(LoadPlanner):
         """Unpickle weights-only with the allow-list, into its original nesting (PLAN-7, LOAD-9)."""
         fqn = read_item.dest_index.fqn
         try:
-            with torch.serialization.safe_globals([*default_safe_globals(), *self.safe_globals]):
-                obj = torch.load(value, weights_only=True)
+            obj = load_weights_only(value, self.safe_globals)
         except pickle.UnpicklingError as exc:
             raise UnsafeObjectError(
                 fqn, refused_global(str(exc)), unpickler_detail(str(exc))

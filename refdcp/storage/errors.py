@@ -129,3 +129,8 @@ class MetadataUnreadableError(RefdcpError):
 class MetadataFieldMissing(RefdcpError):
     """The vectorised ``.metadata`` check met an entry without a required field (internal:
     ``storage/metadata/bulk.py`` catches it and leaves that entry to the per-item check)."""
+
+
+class TransformUnavailableError(RefdcpError, ValueError):
+    """A stream transform cannot be applied here: its package is missing or its descriptor
+    names no registered extension (FMT-25). The message names the package to install."""

@@ -36,6 +36,7 @@ from torch.futures import Future
 from refdcp.api import load, save
 from refdcp.comm.base import Communicator
 from refdcp.comm.fake import FakeWorld
+from refdcp.errors import UnexplainedField
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.planning.load_planner import DefaultLoadPlanner
 from refdcp.planning.local_shards import LocalShards
@@ -80,10 +81,6 @@ FIELDS: dict[str, str] = {
 
 #: Fields whose value is random per planner or per structure: shown as ``<token>``.
 _TOKENS = {"deferred_digest", "deferred_token", "fingerprint", "cached"}
-
-
-class UnexplainedField(RuntimeError):
-    """A local plan carries a ``planner_data`` field that :data:`FIELDS` does not explain."""
 
 
 def page_path() -> Path:

@@ -71,6 +71,11 @@ from refdcp.storage.fs.lock import SaveLock, acquire_save_lock
 from refdcp.storage.fs.paths import check_data_name, open_data_file
 from refdcp.storage.fs.paths import pread_into as _pread_into
 from refdcp.storage.fs.small_reads import SmallItem, batches_items, read_small_items
+from refdcp.storage.fs.transforms import (
+    WriteTransforms,
+    read_transformed_item,
+    write_transformed_items,
+)
 from refdcp.storage.metadata.safe import (
     dump_metadata,
     finalize_metadata,
@@ -245,7 +250,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         serialization_format: Any = None,
     ) -> None:
         super().__init__()
-        _refuse_torch_only_options(_extensions, serialization_format)
+        _refuse_torch_only_options(serialization_format)
         # torch's GPU copy-ahead and its writer-as-stager cache: refdcp's writer has
         # neither (stage with refdcp.CpuStager), so only the defaults are accepted (API-10)
         if per_thread_copy_ahead != 10_000_000:
@@ -258,6 +263,8 @@ class FileSystemWriter(_AtPath, StorageWriter):
                 "refdcp's FileSystemWriter is not a stager, so cache_staged_state_dict=True "
                 "does nothing; pass refdcp.CpuStager(cache_staged_state_dict=True) to async_save"
             )
+        #: torch's stream transforms (FMT-23), or None: every item as it is
+        self._transforms = WriteTransforms(_extensions) if _extensions else None
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(path)
@@ -420,6 +427,9 @@ class FileSystemWriter(_AtPath, StorageWriter):
                 i for i in items if i.type != WriteItemType.BYTE_IO
             ]
             resolve, append = planner.resolve_data, results.append
+            if self._transforms is not None:  # every item through torch's extensions (FMT-23)
+                results = write_transformed_items(out, name, ordered, planner, self._transforms)
+                ordered = []
             for item in ordered:
                 data = resolve(item)
                 enc: Encoded
@@ -522,9 +532,10 @@ class FileSystemReader(_AtPath, StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
-        # torch's ``_extension_registry`` decodes stream transforms; refdcp's reader
-        # refuses transformed items by name when it meets one, so it is accepted and unused
+        # torch's ``_extension_registry`` undoes stream transforms (FMT-24); None: torch's
+        # default registry, made when the first transformed item is read
         super().__init__()
+        self._extension_registry = _extension_registry
         self.path = Path(path)
         self.storage_data: dict[Any, Any] = {}
         self.load_id = layout.new_save_token()
@@ -576,14 +587,15 @@ class FileSystemReader(_AtPath, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[tuple[int, ReadItem, Any]]] = {}
+        transformed: dict[str, list[tuple[int, ReadItem, Any]]] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise RefdcpError(
-                    f"{req.storage_index.fqn}: stream transforms {info.transform_descriptors} "
-                    "are not supported by refdcp's FileSystemReader"
-                )
+            if getattr(info, "transform_descriptors", None):  # FMT-24: read apart
+                transformed.setdefault(info.relative_path, []).append((info.offset, req, info))
+                continue
             per_file.setdefault(info.relative_path, []).append((info.offset, req, info))
+        if transformed:
+            self._read_transformed(transformed, planner)
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
             check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
@@ -607,6 +619,39 @@ class FileSystemReader(_AtPath, StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_transformed(
+        self, per_file: dict[str, list[tuple[int, ReadItem, Any]]], planner: LoadPlanner
+    ) -> None:
+        """Items stored with stream transforms, decoded one by one (FMT-24, INTEG-12)."""
+        if self._extension_registry is None:
+            from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+            self._extension_registry = ExtensionRegistry()
+        for relative_path, reqs in per_file.items():
+            reqs.sort(key=lambda r: r[0])
+            check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
+            fd = open_data_file(self.path, relative_path)  # STORE-27: regular files only
+            try:
+                for _, req, info in reqs:
+                    chunk = None
+                    if req.type != LoadItemType.BYTE_IO and self._chunks is not None:
+                        chunk = self._chunks.lookup(req.storage_index)
+                    checked = self.verify or (
+                        self.verify_available and checksum_of(info) is not None
+                    )
+                    read_transformed_item(
+                        fd,
+                        relative_path,
+                        req,
+                        info,
+                        planner,
+                        chunk,
+                        self._extension_registry,
+                        checked,
+                    )
+            finally:
+                os.close(fd)
 
     def _prepare(self, req: ReadItem, info: Any, relative_path: str) -> SmallItem | None:
         """Refuse a chunk whose stated shape needs more bytes than its stored length, before
@@ -794,13 +839,8 @@ class FileSystemReader(_AtPath, StorageReader):
             _read_exact(fd, view, start, fqn, file)
 
 
-def _refuse_torch_only_options(extensions: Any, serialization_format: Any) -> None:
-    """torch's stream transforms and safetensors format are not implemented: say so (API-10)."""
-    if extensions:
-        raise ValueError(
-            "refdcp's FileSystemWriter does not apply stream transforms (_extensions); "
-            "use torch's FileSystemWriter for them"
-        )
+def _refuse_torch_only_options(serialization_format: Any) -> None:
+    """torch's safetensors format is not implemented: say so (API-10)."""
     fmt = getattr(serialization_format, "value", serialization_format)
     if fmt not in (None, "torch_save"):
         raise ValueError(

@@ -14,7 +14,10 @@ constructor that only validates and stores its arguments:
 * ``datetime.date/time/datetime/timedelta/timezone``, ``decimal.Decimal``,
   ``fractions.Fraction``, ``uuid.UUID``;
 * ``frozenset``, ``slice``, ``range``;
-* the ``pathlib`` path classes (built from strings, no I/O).
+* the ``pathlib`` path classes (built from strings, no I/O);
+* ``io.BytesIO`` (its buffer, position and ``__dict__`` are restored by C code), so a
+  ``BytesIO`` value round-trips as it does with torch (API-24); ``bytes()`` with no
+  argument, which pickles an empty ``bytes`` (``bytes(n)`` stays refused).
 
 Not on the list: ``collections.deque`` and ``defaultdict`` (torch's weights-only
 unpickler cannot rebuild them), and, on purpose, user-defined classes (dataclasses, Enums, ...).
@@ -29,10 +32,15 @@ import argparse
 import datetime
 import decimal
 import fractions
+import io
 import pathlib
+import pickle
 import re
+import threading
 import uuid
-from typing import Any
+from typing import IO, Any
+
+import torch
 
 from refdcp.storage.errors import UnsafeObjectError
 
@@ -95,7 +103,17 @@ def default_safe_globals() -> list[Any]:
         pathlib.Path,
         pathlib.PosixPath,
         pathlib.WindowsPath,
+        io.BytesIO,
+        (_empty_bytes, "builtins.bytes"),
     ]
+
+
+def _empty_bytes(*args: object) -> bytes:
+    """What a pickle's ``bytes()`` call (an empty ``bytes`` or ``BytesIO`` value) rebuilds:
+    ``b""`` and nothing else, so a pickle cannot ask for ``bytes(n)`` (n zero bytes)."""
+    if args:
+        raise pickle.UnpicklingError("only bytes() with no argument is allowed (LOAD-7)")
+    return b""
 
 
 def refused_global(message: str) -> str | None:
@@ -108,3 +126,16 @@ def unpickler_detail(message: str) -> str:
     """The weights-only unpickler's own reason, from torch's error text."""
     m = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\s*\n|$)", message, re.S)
     return m.group(1).strip() if m else ""
+
+
+#: torch keeps its weights-only allow-list in one process-wide list, and its
+#: ``safe_globals`` context restores that list on exit: two threads loading at once (the
+#: ranks of a FakeWorld) would each remove the other's globals mid-load (LOAD-7).
+_ALLOW_LIST_LOCK = threading.Lock()
+
+
+def load_weights_only(data: IO[bytes], extra: list[Any]) -> Any:
+    """``torch.load(data, weights_only=True)`` with the default allow-list plus ``extra``,
+    one thread at a time, so concurrent loads never see each other's list (LOAD-7, LOAD-8)."""
+    with _ALLOW_LIST_LOCK, torch.serialization.safe_globals([*default_safe_globals(), *extra]):
+        return torch.load(data, map_location="cpu", weights_only=True)
