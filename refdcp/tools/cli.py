@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--no-dedup", action="store_true", help="do not deduplicate replicated items")
     tr.add_argument("--sharding", choices=["rows", "cols", "replicated"], default="rows")
+    tr.add_argument(
+        "--reference",
+        action="store_true",
+        help="plan with refdcp.reference's readable planners (the same plans, TRACE-14)",
+    )
 
     conf = sub.add_parser("conformance", help="run the storage conformance suite on a backend")
     conf.add_argument("target", help="module:attribute naming the backend object")
@@ -146,6 +151,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             fmt=args.format,
             dedup=not args.no_dedup,
             sharding=args.sharding,
+            reference=args.reference,
         )
     if args.command == "conformance":
         from conformance.cli import conformance_command

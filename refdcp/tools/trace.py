@@ -26,8 +26,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
+    LoadPlanner,
     ReadItem,
     SavePlan,
+    SavePlanner,
     WriteItem,
     WriteItemType,
 )
@@ -38,6 +40,7 @@ from refdcp.planning.local_plan import chunk_nbytes
 from refdcp.planning.metadata.build import build_state_dict_metadata
 from refdcp.protocol import LOAD, SAVE, Kind
 from refdcp.protocol.names import Slot
+from refdcp.reference import ReferenceLoadPlanner, ReferenceSavePlanner
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.storage.memory import MemoryStorage
 
@@ -153,9 +156,14 @@ def explain_dedup(local: Sequence[SavePlan], final: Sequence[SavePlan]) -> list[
 
 
 def run_trace(
-    save_world: int = 4, load_world: int = 2, sharding: str = "rows", dedup: bool = True
+    save_world: int = 4,
+    load_world: int = 2,
+    sharding: str = "rows",
+    dedup: bool = True,
+    reference: bool = False,
 ) -> TraceResult:
-    """Save at ``save_world`` ranks, load at ``load_world``, and record everything (TRACE-1)."""
+    """Save at ``save_world`` ranks, load at ``load_world``, and record everything (TRACE-1);
+    ``reference=True`` plans with ``refdcp.reference``'s planners (TRACE-14)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding must be one of {SHARDINGS}")
     for name, world in (("save_world", save_world), ("load_world", load_world)):
@@ -163,7 +171,10 @@ def run_trace(
             raise ValueError(f"{name} must be an int >= 1, got {world!r}")
     store = MemoryStorage()
     res = TraceResult(save_world, load_world, sharding, dedup)
-    planner_cls = DefaultSavePlanner if dedup else _NoDedupPlanner
+    planner_cls: type[SavePlanner] = DefaultSavePlanner if dedup else _NoDedupPlanner
+    load_planner_cls: type[LoadPlanner] = DefaultLoadPlanner
+    if reference and dedup:
+        planner_cls, load_planner_cls = ReferenceSavePlanner, ReferenceLoadPlanner
     saves = [
         SaveContext(
             rank=r,
@@ -192,7 +203,7 @@ def run_trace(
             coordinator=r == 0,
             state_dict=empty_model_state(r, load_world, sharding),
             reader=store.reader("trace"),
-            planner=DefaultLoadPlanner(),
+            planner=load_planner_cls(),
         )
         for r in range(load_world)
     ]
@@ -418,11 +429,12 @@ def trace_command(
     dedup: bool = True,
     sharding: str = "rows",
     out: TextIO | None = None,
+    reference: bool = False,
 ) -> int:
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     stream = out or sys.stdout
-    res = run_trace(save_world, load_world, sharding, dedup)
+    res = run_trace(save_world, load_world, sharding, dedup, reference)
     if fmt == "text":
         stream.write(render_text(res))
     else:
