@@ -25,6 +25,7 @@ from refdcp.storage.safe_globals import (
     refused_global,
     unpickler_detail,
 )
+from refdcp.storage.stored_layout import check_tiling
 
 from .flatten import Flattened, flatten_state_dict, set_by_rich_path
 from .load_policy import LoadPolicy, LoadPolicyError, check_load
@@ -116,6 +117,7 @@ class DefaultLoadPlanner(LoadPlanner):
         keys, problems = check_load(self.flat.items, saved, self.policy)
         if problems:
             raise LoadPolicyError(problems)
+        check_tiling(self.metadata, keys)  # FMT-23: before any read is planned
         items: list[ReadItem] = []
         for fqn in keys:
             obj = self.flat.items[fqn]

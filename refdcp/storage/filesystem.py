@@ -76,6 +76,7 @@ from refdcp.storage.safe_metadata import (
 )
 from refdcp.storage.small_reads import SmallItem, batches_items, read_small_items
 from refdcp.storage.small_tensors import small_tensor_parts
+from refdcp.storage.stored_layout import check_records
 from refdcp.storage.tensor_values import bytes_are_values
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
@@ -550,6 +551,7 @@ class FileSystemReader(_AtPath, StorageReader):
     ) -> None:
         if metadata.storage_data is None:
             raise RefdcpError("metadata has no storage_data: not a filesystem checkpoint")
+        check_records(metadata, file=str(self.path / layout.METADATA_NAME))  # FMT-24
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = bool(kwargs.get("use_collectives", True))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from refdcp.storage import layout
 from refdcp.storage.errors import MalformedMetadataError
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "readable_record_problem",
     "readable_tiling_problem",
     "record_problem",
+    "storage_records",
     "tiling_problem",
 ]
 
@@ -164,12 +167,13 @@ def _shared(a: Record, b: Record) -> str:
 def tiling_problem(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> str | None:
     """Why ``chunks`` do not tile a tensor of ``size`` exactly, or None (FMT-23); linear
     in the chunks for layouts split along few dimensions (see the module docstring)."""
-    full = tuple(int(x) for x in size)
     n = len(chunks)
     if n == 1:  # the common case: one chunk, the whole tensor
-        off, k = _box(chunks[0])
-        if all(o == 0 for o in off) and k == full:
+        only = chunks[0]
+        same = tuple(only.sizes) == tuple(size) and len(only.offsets) == len(size)
+        if same and not any(only.offsets):
             return None
+    full = tuple(int(x) for x in size)
     if n == 0:
         return None if 0 in full else f"no chunks for a tensor of {math.prod(full)} elements"
     ndim = len(full)
@@ -184,6 +188,8 @@ def tiling_problem(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) 
         bad = _out_of_range(full, boxes)
         assert bad is not None
         return bad
+    if 0 in full:
+        return None  # inside an empty tensor, chunks hold no element to miss or share
     split = [d for d in range(ndim) if (offs[:, d] != 0).any() or (lens[:, d] != fulls[d]).any()]
     if n << len(split) <= CORNER_BUDGET:
         point = _corner_residue(offs[:, split], lens[:, split], fulls[split])
@@ -223,6 +229,8 @@ def _corner_residue(offs: Any, lens: Any, full: Any) -> list[int] | None:
     """The first (row-major) corner where the chunks' signed corner counts differ from
     the tensor's, or None when they agree everywhere (the chunks tile it exactly)."""
     n, k = offs.shape
+    if k == 0:  # every chunk is the whole tensor: one is a tiling, more overlap
+        return None if n == 1 else []
     bits = np.arange(1 << k, dtype=np.int64)
     upper = ((bits[:, None] >> np.arange(k, dtype=np.int64)[None, :]) & 1).astype(bool)  # (2^k, k)
     sign = np.where(upper.sum(axis=1) % 2 == 0, 1, -1).astype(np.int64)  # (2^k,)
@@ -234,9 +242,6 @@ def _corner_residue(offs: Any, lens: Any, full: Any) -> list[int] | None:
     corners = corners.reshape(-1, k)
     signs = (weight[:, None] * sign[None, :]).reshape(-1)
     radix = full + 1
-    if k == 0:
-        total = int(signs.sum())
-        return None if total == 0 else []
     if float(np.prod(radix.astype(np.float64))) < 2.0**62:
         strides = np.ones(k, dtype=np.int64)
         for d in range(k - 2, -1, -1):
@@ -261,12 +266,18 @@ def _sweep(full: tuple[int, ...], boxes: list[Box]) -> str | None:
     """Exact check for layouts split along many dimensions: no overlapping pair (a sweep
     along dimension 0) and the elements adding up; refuses past SWEEP_BUDGET comparisons."""
     nonempty = [i for i, (_, n) in enumerate(boxes) if all(k > 0 for k in n)]
-    nonempty.sort(key=lambda i: boxes[i][0][0])
+
+    def span(i: int) -> tuple[int, int]:  # the box along dimension 0 (a scalar: [0, 1))
+        off, n = boxes[i]
+        return (off[0], off[0] + n[0]) if off else (0, 1)
+
+    nonempty.sort(key=span)
     active: list[int] = []
     work = 0
     for i in nonempty:
         oi, ni = boxes[i]
-        active = [j for j in active if boxes[j][0][0] + boxes[j][1][0] > oi[0]]
+        start = span(i)[0]
+        active = [j for j in active if span(j)[1] > start]
         for j in active:
             work += 1
             oj, nj = boxes[j]
@@ -287,20 +298,49 @@ def _sweep(full: tuple[int, ...], boxes: list[Box]) -> str | None:
 def record_problem(records: Sequence[Record]) -> str | None:
     """Why two ``(who, file, offset, length)`` records share a byte of one file, or None
     (FMT-24); sorts by file and offset, so n log n."""
-    # zero-length records hold no byte, so they share none; in offset order, a record
-    # that overlaps any earlier one overlaps the one just before it
-    order = sorted((r for r in records if r[3] > 0), key=lambda r: (r[1], r[2], r[3]))
-    for a, b in itertools.pairwise(order):
-        if a[1] == b[1] and b[2] < a[2] + a[3]:
-            return _shared(a, b)
-    return None
+    pair = shared_pair([r[1] for r in records], [r[2] for r in records], [r[3] for r in records])
+    return None if pair is None else _shared(records[pair[0]], records[pair[1]])
+
+
+def shared_pair(
+    files: Sequence[object], offsets: Sequence[int], lengths: Sequence[int]
+) -> tuple[int, int] | None:
+    """Indices of two records (parallel sequences) sharing a byte of one file, or None.
+
+    Zero-length records hold no byte, so they share none; in (file, offset) order, a
+    record that overlaps any earlier one of its file overlaps the one just before it.
+    """
+    n = len(files)
+    ids: dict[object, int] = {}
+    fid = np.fromiter((ids.setdefault(f, len(ids)) for f in files), dtype=np.int64, count=n)
+    try:
+        off = np.fromiter(offsets, dtype=np.int64, count=n)
+        size = np.fromiter(lengths, dtype=np.int64, count=n)
+    except (OverflowError, ValueError, TypeError):  # beyond int64: the plain sort
+        plain = sorted(
+            (i for i in range(n) if lengths[i] > 0),
+            key=lambda i: (ids[files[i]], offsets[i]),
+        )
+        for p, q in itertools.pairwise(plain):
+            if files[p] == files[q] and offsets[q] - offsets[p] < lengths[p]:
+                return p, q
+        return None
+    held = np.flatnonzero(size > 0)
+    order = held[np.lexsort((off[held], fid[held]))]
+    a, b = order[:-1], order[1:]
+    # same file, and the later one starts before the earlier one ends (no overflow:
+    # both offsets are non-negative and b's is the larger)
+    hit = np.flatnonzero((fid[a] == fid[b]) & (off[b] - off[a] < size[a]))
+    if hit.size == 0:
+        return None
+    return int(a[hit[0]]), int(b[hit[0]])
 
 
 # -- the checks a load and verify run ---------------------------------------------------
 
 
 def check_tiling(
-    metadata: Metadata, keys: Iterable[str] | None = None, *, file: str = ".metadata"
+    metadata: Metadata, keys: Iterable[str] | None = None, *, file: str = layout.METADATA_NAME
 ) -> None:
     """Raise :class:`MalformedMetadataError` naming the first tensor key (of ``keys``, or
     all) whose stored chunks do not tile it exactly (FMT-23)."""
@@ -319,7 +359,7 @@ def check_tiling(
 
 
 def check_records(
-    metadata: Metadata, keys: Iterable[str] | None = None, *, file: str = ".metadata"
+    metadata: Metadata, keys: Iterable[str] | None = None, *, file: str = layout.METADATA_NAME
 ) -> None:
     """Raise :class:`MalformedMetadataError` when a stored chunk or non-tensor key (of
     ``keys``, or all) has no storage record, or two records share bytes of a file (FMT-24)."""
@@ -327,30 +367,51 @@ def check_records(
     if not isinstance(storage, Mapping):
         return
     sdm = metadata.state_dict_metadata
+    indices = list(storage)
+    located = set(zip(map(_fqn, indices), map(_offset, indices)))
     for fqn in sdm if keys is None else keys:
         md = sdm.get(fqn)
         if isinstance(md, TensorStorageMetadata):
             for c in md.chunks:
-                if MetadataIndex(fqn, c.offsets) not in storage:
+                if (fqn, c.offsets) not in located:
                     raise MalformedMetadataError(
                         f"chunk at {list(c.offsets)} has no storage record",
                         field=f"state_dict_metadata[{fqn!r}].chunks",
                         file=file,
                     )
-        elif isinstance(md, BytesStorageMetadata) and MetadataIndex(fqn) not in storage:
+        elif isinstance(md, BytesStorageMetadata) and (fqn, None) not in located:
             raise MalformedMetadataError(
                 "no storage record", field=f"state_dict_metadata[{fqn!r}]", file=file
             )
-    records = [
+    infos = list(storage.values())
+    pair = shared_pair(list(map(_path, infos)), list(map(_start, infos)), list(map(_length, infos)))
+    if pair is not None:
+        records = [
+            (indices[i], str(infos[i].relative_path), infos[i].offset, infos[i].length)
+            for i in pair
+        ]
+        raise MalformedMetadataError(_shared(*records), field="storage_data", file=file)
+
+
+_fqn = operator.attrgetter("fqn")
+_offset = operator.attrgetter("offset")
+_path = operator.attrgetter("relative_path")
+_start = operator.attrgetter("offset")
+_length = operator.attrgetter("length")
+
+
+def storage_records(metadata: Metadata) -> list[Record]:
+    """Every storage record of ``metadata`` as ``(index, file, offset, length)``."""
+    storage = metadata.storage_data
+    if not isinstance(storage, Mapping):
+        return []
+    return [
         (index, str(info.relative_path), int(info.offset), int(info.length))
         for index, info in storage.items()
     ]
-    problem = record_problem(records)
-    if problem is not None:
-        raise MalformedMetadataError(problem, field="storage_data", file=file)
 
 
-def check_stored_layout(metadata: Metadata, *, file: str = ".metadata") -> None:
+def check_stored_layout(metadata: Metadata, *, file: str = layout.METADATA_NAME) -> None:
     """Both rules over every key of the checkpoint (what ``refdcp verify`` runs)."""
     check_tiling(metadata, file=file)
     check_records(metadata, file=file)
