@@ -94,6 +94,10 @@ class DefaultLoadPlanner(LoadPlanner):
         )
         self.flat = Flattened()
         self.original_state_dict: dict[Any, Any] = {}
+        #: set by refdcp's load driver, which calls apply_loaded_values once every rank read
+        #: all its items (LOAD-15); torch's dcp.load has no such step, so values go in at once
+        self.defer_nested_values = False
+        self.deferred: list[tuple[Any, Any]] = []
         self.metadata: Metadata | None = None
         self.is_coordinator = False
 
@@ -106,6 +110,7 @@ class DefaultLoadPlanner(LoadPlanner):
         if metadata is None:
             raise ValueError("DefaultLoadPlanner needs the checkpoint's metadata")
         self.original_state_dict = state_dict
+        self.deferred = []
         self.flat = flatten_state_dict(state_dict)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -159,8 +164,19 @@ class DefaultLoadPlanner(LoadPlanner):
         """Unpickle (weights-only unless ``allow_pickle``) into the original nesting (PLAN-7, FLAT-2)."""
         fqn = read_item.dest_index.fqn
         obj = load_object(fqn, value, self.policy.allow_pickle, self.safe_globals)
-        set_by_rich_path(self.original_state_dict, self.flat.rich[fqn], obj)
+        path = self.flat.rich[fqn]
+        if len(path) > 1 and self.defer_nested_values:  # placed when the load applies (LOAD-15)
+            self.deferred.append((path, obj))
+        else:  # top level: the driver's copy, handed over when the load applies (LOAD-5)
+            set_by_rich_path(self.original_state_dict, path, obj)
         self.flat.items[fqn] = obj
+
+    def apply_loaded_values(self) -> None:
+        """Place the nested non-tensor values read by this load (LOAD-15); the driver calls
+        it only once every rank read all its items."""
+        deferred, self.deferred = self.deferred, []
+        for path, obj in deferred:
+            set_by_rich_path(self.original_state_dict, path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """A view of the destination chunk narrowed to the read's box (RESHARD-1)."""
