@@ -1,4 +1,4 @@
-"""Top-level functions run inside spawned Gloo ranks for the stored-layout tests (FMT-23)."""
+"""Top-level functions run inside spawned Gloo ranks for the stored-layout tests (FMT-28)."""
 
 from __future__ import annotations
 

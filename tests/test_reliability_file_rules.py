@@ -1,5 +1,5 @@
 """One file-opening rule, clean-up that honours every committed metadata, and the save-side
-refusals and commit status of issue 26 (STORE-53, STORE-33, TOOL-28, SAVE-17, SAVE-16)."""
+refusals and commit status of issue 26 (STORE-56, STORE-33, TOOL-29, SAVE-17, SAVE-16)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def _failure(err: CheckpointError) -> BaseException:
     return failure.exception
 
 
-# -- lock files: no link followed, no FIFO blocks (STORE-53) -------------------------------
+# -- lock files: no link followed, no FIFO blocks (STORE-56) -------------------------------
 
 
-@pytest.mark.spec("STORE-53")
+@pytest.mark.spec("STORE-56")
 def test_a_planted_lock_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -66,7 +66,7 @@ def _returns_within(fn: Any, seconds: float) -> bool:
     return done.wait(seconds)
 
 
-@pytest.mark.spec("STORE-53")
+@pytest.mark.spec("STORE-56")
 def test_a_fifo_named_like_a_lock_never_blocks_a_save(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -80,7 +80,7 @@ def test_a_fifo_named_like_a_lock_never_blocks_a_save(tmp_path: Path) -> None:
         refdcp.load(dest, checkpoint_id=root)
         assert torch.equal(dest["w"], torch.full((4,), 2.0))
     finally:
-        # release a scan blocked on the FIFO (the code before STORE-53), so no thread is left
+        # release a scan blocked on the FIFO (the code before STORE-56), so no thread is left
         try:
             fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             os.close(fd)
@@ -88,7 +88,7 @@ def test_a_fifo_named_like_a_lock_never_blocks_a_save(tmp_path: Path) -> None:
             pass
 
 
-@pytest.mark.spec("STORE-53")
+@pytest.mark.spec("STORE-56")
 def test_the_lock_scan_skips_links_and_fifos(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "a.lock")
     (tmp_path / "target").write_text("{}")
@@ -97,7 +97,7 @@ def test_the_lock_scan_skips_links_and_fifos(tmp_path: Path) -> None:
     assert live_lock_tokens(tmp_path) == set()
 
 
-# -- convert opens data files as loads do (TOOL-28) ---------------------------------------------
+# -- convert opens data files as loads do (TOOL-29) ---------------------------------------------
 
 
 def _ckpt(root: Path) -> tuple[Path, str]:
@@ -106,7 +106,7 @@ def _ckpt(root: Path) -> tuple[Path, str]:
     return root, info.relative_path
 
 
-@pytest.mark.spec("TOOL-28")
+@pytest.mark.spec("TOOL-29")
 def test_convert_refuses_a_fifo_data_file_without_blocking(tmp_path: Path) -> None:
     root, name = _ckpt(tmp_path / "ckpt")
     (root / name).unlink()
@@ -128,7 +128,7 @@ def test_convert_refuses_a_fifo_data_file_without_blocking(tmp_path: Path) -> No
     assert not (tmp_path / "out.pt").exists()
 
 
-@pytest.mark.spec("TOOL-28")
+@pytest.mark.spec("TOOL-29")
 def test_convert_refuses_a_data_file_symlinked_outside(tmp_path: Path) -> None:
     root, name = _ckpt(tmp_path / "ckpt")
     outside = tmp_path / "outside.distcp"
@@ -139,7 +139,7 @@ def test_convert_refuses_a_data_file_symlinked_outside(tmp_path: Path) -> None:
     assert cli_main(["convert", str(root), str(tmp_path / "out2.pt")]) != 0
 
 
-@pytest.mark.spec("TOOL-28")
+@pytest.mark.spec("TOOL-29")
 def test_convert_checks_a_lying_length_before_allocating(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

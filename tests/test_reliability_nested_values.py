@@ -1,4 +1,4 @@
-"""A failed load leaves nested non-tensor values as they were (LOAD-15)."""
+"""A failed load leaves nested non-tensor values as they were (LOAD-19)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _unchanged(sd: dict[str, Any], v: float) -> bool:
     return sd["cfg"] == {"lr": v, "betas": (v, v), "inner": {"steps": [int(v)]}} and sd["top"] == v
 
 
-@pytest.mark.spec("LOAD-15", "LOAD-5")
+@pytest.mark.spec("LOAD-19", "LOAD-5")
 def test_a_load_failing_after_its_reads_leaves_nested_values_alone(tmp_path: Path) -> None:
     refdcp.save(_state(1.0), checkpoint_id=tmp_path)
 
@@ -45,7 +45,7 @@ def test_a_load_failing_after_its_reads_leaves_nested_values_alone(tmp_path: Pat
     assert _unchanged(dest, 1.0)
 
 
-@pytest.mark.spec("LOAD-15")
+@pytest.mark.spec("LOAD-19")
 def test_a_tensor_failing_its_check_after_the_values_leaves_nested_values_alone(
     tmp_path: Path,
 ) -> None:
@@ -61,7 +61,7 @@ def test_a_tensor_failing_its_check_after_the_values_leaves_nested_values_alone(
     assert _unchanged(dest, 7.0)
 
 
-@pytest.mark.spec("LOAD-15", "LOAD-5")
+@pytest.mark.spec("LOAD-19", "LOAD-5")
 def test_another_ranks_failed_read_leaves_this_ranks_nested_values_alone(tmp_path: Path) -> None:
     FakeWorld(2).run(lambda comm: refdcp.save(_state(1.0), checkpoint_id=tmp_path, comm=comm))
 
@@ -78,7 +78,7 @@ def test_another_ranks_failed_read_leaves_this_ranks_nested_values_alone(tmp_pat
     assert FakeWorld(2).run(load) == [True, True]
 
 
-@pytest.mark.spec("LOAD-15")
+@pytest.mark.spec("LOAD-19")
 def test_torchs_load_with_refdcps_planner_still_places_nested_values(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

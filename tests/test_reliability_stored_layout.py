@@ -1,4 +1,4 @@
-"""Stored layouts are checked before a byte is read (FMT-23, FMT-24).
+"""Stored layouts are checked before a byte is read (FMT-28, FMT-29).
 
 A ``.metadata`` can pass every type check and still describe a layout that
 would load silently wrong: chunks that duplicate one another and leave a hole,
@@ -99,7 +99,7 @@ def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], list[C]]:
     return shape, chunks
 
 
-@pytest.mark.spec("FMT-23")
+@pytest.mark.spec("FMT-28")
 @settings(max_examples=400, deadline=None)
 @given(layouts())
 def test_fast_tiling_check_agrees_with_the_readable_one(
@@ -110,7 +110,7 @@ def test_fast_tiling_check_agrees_with_the_readable_one(
     assert (fast is None) == (plain is None), (fast, plain)
 
 
-@pytest.mark.spec("FMT-23")
+@pytest.mark.spec("FMT-28")
 @settings(max_examples=200, deadline=None)
 @given(layouts())
 def test_the_sweep_for_many_split_dimensions_agrees_with_the_readable_one(
@@ -126,7 +126,7 @@ def test_the_sweep_for_many_split_dimensions_agrees_with_the_readable_one(
     assert (fast is None) == (readable_tiling_problem(shape, chunks) is None), fast
 
 
-@pytest.mark.spec("FMT-24")
+@pytest.mark.spec("FMT-29")
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
@@ -141,7 +141,7 @@ def test_fast_byte_range_check_agrees_with_the_readable_one(
     assert (fast is None) == (plain is None), (fast, plain)
 
 
-@pytest.mark.spec("FMT-23")
+@pytest.mark.spec("FMT-28")
 def test_a_wrong_tiling_names_an_element_and_the_chunks_that_hold_it() -> None:
     dup = [_chunk((0, 0), (2, 3)), _chunk((0, 0), (2, 3))]
     assert tiling_problem(torch.Size((4, 3)), dup) == (
@@ -153,7 +153,7 @@ def test_a_wrong_tiling_names_an_element_and_the_chunks_that_hold_it() -> None:
     assert "is not inside the tensor of size [4, 3]" in str(tiling_problem(torch.Size((4, 3)), out))
 
 
-@pytest.mark.spec("FMT-23", "FMT-24")
+@pytest.mark.spec("FMT-28", "FMT-29")
 def test_400k_chunks_and_records_check_in_well_under_a_second_each() -> None:
     """Measured on the 2-core development machine: 0.22 s (a 632 x 632 grid), 0.24 s
     (400k row blocks), 0.26 s (400k records); the bound leaves room for a loaded machine."""
@@ -174,7 +174,7 @@ def test_400k_chunks_and_records_check_in_well_under_a_second_each() -> None:
 # -- torch-written checkpoints pass ---------------------------------------------------------
 
 
-@pytest.mark.spec("FMT-23", "FMT-24")
+@pytest.mark.spec("FMT-28", "FMT-29")
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_torch_written_sharded_checkpoints_pass(tmp_path: Path, world: int) -> None:
     keys = run_gloo(world, _layout_fns.torch_saves_sharded, str(tmp_path), timeout=120.0)[0]
@@ -294,7 +294,7 @@ def _same(x: Any, y: Any) -> bool:
     return bool(x == y)
 
 
-@pytest.mark.spec("FMT-23", "FMT-24")
+@pytest.mark.spec("FMT-28", "FMT-29")
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 @pytest.mark.parametrize("verify", [None, True, False])
 def test_silent_layout_attacks_are_refused_before_any_destination_changes(
@@ -309,7 +309,7 @@ def test_silent_layout_attacks_are_refused_before_any_destination_changes(
     assert _same(dest, before)
 
 
-@pytest.mark.spec("FMT-23", "FMT-24", "TOOL-27")
+@pytest.mark.spec("FMT-28", "FMT-29", "TOOL-28")
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
 def test_verify_reports_every_silent_layout_attack(tmp_path: Path, attack: str) -> None:
     change, match = ATTACKS[attack]
@@ -321,7 +321,7 @@ def test_verify_reports_every_silent_layout_attack(tmp_path: Path, attack: str) 
     assert any(re.search(match, f"{p.fqn!r} {p.message}") for p in report.problems), report.problems
 
 
-@pytest.mark.spec("FMT-24")
+@pytest.mark.spec("FMT-29")
 def test_a_chunk_without_a_storage_record_is_refused_before_any_read(tmp_path: Path) -> None:
     root = _save(tmp_path / "ckpt")
     _edit(root, lambda md: md.storage_data.pop(MetadataIndex("w", torch.Size((2, 0)))))
@@ -331,7 +331,7 @@ def test_a_chunk_without_a_storage_record_is_refused_before_any_read(tmp_path: P
     assert _same(dest, before)
 
 
-@pytest.mark.spec("FMT-23")
+@pytest.mark.spec("FMT-28")
 def test_torch_single_rank_save_with_a_hole_is_refused_naming_the_element(tmp_path: Path) -> None:
     """torch checks coverage only with several ranks: its single-rank save of shards with a
     hole commits; refdcp refuses to load it rather than leave the hole's old values."""

@@ -95,7 +95,7 @@ class DefaultLoadPlanner(LoadPlanner):
         self.flat = Flattened()
         self.original_state_dict: dict[Any, Any] = {}
         #: set by refdcp's load driver, which calls apply_loaded_values once every rank read
-        #: all its items (LOAD-15); torch's dcp.load has no such step, so values go in at once
+        #: all its items (LOAD-19); torch's dcp.load has no such step, so values go in at once
         self.defer_nested_values = False
         self.deferred: list[tuple[Any, Any]] = []
         self.metadata: Metadata | None = None
@@ -122,7 +122,7 @@ class DefaultLoadPlanner(LoadPlanner):
         keys, problems = check_load(self.flat.items, saved, self.policy)
         if problems:
             raise LoadPolicyError(problems)
-        check_tiling(self.metadata, keys)  # FMT-23: before any read is planned
+        check_tiling(self.metadata, keys)  # FMT-28: before any read is planned
         items: list[ReadItem] = []
         for fqn in keys:
             obj = self.flat.items[fqn]
@@ -165,14 +165,14 @@ class DefaultLoadPlanner(LoadPlanner):
         fqn = read_item.dest_index.fqn
         obj = load_object(fqn, value, self.policy.allow_pickle, self.safe_globals)
         path = self.flat.rich[fqn]
-        if len(path) > 1 and self.defer_nested_values:  # placed when the load applies (LOAD-15)
+        if len(path) > 1 and self.defer_nested_values:  # placed when the load applies (LOAD-19)
             self.deferred.append((path, obj))
         else:  # top level: the driver's copy, handed over when the load applies (LOAD-5)
             set_by_rich_path(self.original_state_dict, path, obj)
         self.flat.items[fqn] = obj
 
     def apply_loaded_values(self) -> None:
-        """Place the nested non-tensor values read by this load (LOAD-15); the driver calls
+        """Place the nested non-tensor values read by this load (LOAD-19); the driver calls
         it only once every rank read all its items."""
         deferred, self.deferred = self.deferred, []
         for path, obj in deferred:

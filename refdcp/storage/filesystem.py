@@ -561,7 +561,7 @@ class FileSystemReader(_AtPath, StorageReader):
     ) -> None:
         if metadata.storage_data is None:
             raise RefdcpError("metadata has no storage_data: not a filesystem checkpoint")
-        check_records(metadata, file=str(self.path / layout.METADATA_NAME))  # FMT-24
+        check_records(metadata, file=str(self.path / layout.METADATA_NAME))  # FMT-29
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = bool(kwargs.get("use_collectives", True))

@@ -182,7 +182,7 @@ def acquire_save_lock(root: Path, metadata_name: str, token: str) -> SaveLock:
         if fd is not None:
             return SaveLock(path, fd, token)
         try:
-            fd = open_regular(path, os.O_RDWR)  # a planted link or FIFO is refused (STORE-53)
+            fd = open_regular(path, os.O_RDWR)  # a planted link or FIFO is refused (STORE-56)
         except FileNotFoundError:
             continue  # released meanwhile: try to create it again
         try:
@@ -237,7 +237,7 @@ def live_lock_tokens(root: Path) -> set[str] | None:
         try:
             fd = open_regular(root / name, os.O_RDONLY)
         except (FileNotFoundError, UnsafePathError):
-            continue  # gone, or a link or FIFO: never a save's lock (STORE-53)
+            continue  # gone, or a link or FIFO: never a save's lock (STORE-56)
         except OSError:
             return None
         try:

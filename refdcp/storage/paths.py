@@ -68,7 +68,7 @@ def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None =
 
 def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
     """Open ``path`` with ``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``; refuse a
-    symbolic link or anything but a regular file with ``UnsafePathError`` (STORE-27, STORE-53).
+    symbolic link or anything but a regular file with ``UnsafePathError`` (STORE-27, STORE-56).
 
     The type is checked with ``fstat`` on the opened descriptor, so nothing can be
     swapped in between; a FIFO never blocks the open.

@@ -1,11 +1,11 @@
-"""The stored layout of a checkpoint, checked before a byte is read (FMT-23, FMT-24).
+"""The stored layout of a checkpoint, checked before a byte is read (FMT-28, FMT-29).
 
 Two rules, each a pure function of the metadata (no I/O, no torch.distributed):
 
-* **tiling** (FMT-23): a tensor key's stored chunks tile the tensor exactly:
+* **tiling** (FMT-28): a tensor key's stored chunks tile the tensor exactly:
   every chunk lies inside the tensor, and every element is in exactly one
   chunk (no hole, no overlap; a chunk listed twice is an overlap);
-* **records** (FMT-24): every stored chunk (and every non-tensor key) has a
+* **records** (FMT-29): every stored chunk (and every non-tensor key) has a
   storage record, and no two records share a byte of one file (their
   ``[offset, offset + length)`` ranges are disjoint within each file).
 
@@ -117,7 +117,7 @@ def _wrong_at(size: tuple[int, ...], boxes: Sequence[Box], point: Sequence[int])
 def readable_tiling_problem(
     size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]
 ) -> str | None:
-    """FMT-23 in its plainest form (quadratic): every chunk inside the tensor, no two
+    """FMT-28 in its plainest form (quadratic): every chunk inside the tensor, no two
     chunks sharing an element, and the chunks' elements adding up to the tensor's."""
     full = tuple(int(x) for x in size)
     boxes = [_box(c) for c in chunks]
@@ -136,7 +136,7 @@ def readable_tiling_problem(
 
 
 def readable_record_problem(records: Sequence[Record]) -> str | None:
-    """FMT-24's byte rule in its plainest form (quadratic): no two ``(who, file, offset,
+    """FMT-29's byte rule in its plainest form (quadratic): no two ``(who, file, offset,
     length)`` records share a byte of one file."""
     for i in range(len(records)):
         for j in range(i + 1, len(records)):
@@ -165,7 +165,7 @@ def _shared(a: Record, b: Record) -> str:
 
 
 def tiling_problem(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> str | None:
-    """Why ``chunks`` do not tile a tensor of ``size`` exactly, or None (FMT-23); linear
+    """Why ``chunks`` do not tile a tensor of ``size`` exactly, or None (FMT-28); linear
     in the chunks for layouts split along few dimensions (see the module docstring)."""
     n = len(chunks)
     if n == 1:  # the common case: one chunk, the whole tensor
@@ -297,7 +297,7 @@ def _sweep(full: tuple[int, ...], boxes: list[Box]) -> str | None:
 
 def record_problem(records: Sequence[Record]) -> str | None:
     """Why two ``(who, file, offset, length)`` records share a byte of one file, or None
-    (FMT-24); sorts by file and offset, so n log n."""
+    (FMT-29); sorts by file and offset, so n log n."""
     pair = shared_pair([r[1] for r in records], [r[2] for r in records], [r[3] for r in records])
     return None if pair is None else _shared(records[pair[0]], records[pair[1]])
 
@@ -343,7 +343,7 @@ def check_tiling(
     metadata: Metadata, keys: Iterable[str] | None = None, *, file: str = layout.METADATA_NAME
 ) -> None:
     """Raise :class:`MalformedMetadataError` naming the first tensor key (of ``keys``, or
-    all) whose stored chunks do not tile it exactly (FMT-23)."""
+    all) whose stored chunks do not tile it exactly (FMT-28)."""
     sdm = metadata.state_dict_metadata
     for fqn in sdm if keys is None else keys:
         md = sdm.get(fqn)
@@ -362,7 +362,7 @@ def check_records(
     metadata: Metadata, keys: Iterable[str] | None = None, *, file: str = layout.METADATA_NAME
 ) -> None:
     """Raise :class:`MalformedMetadataError` when a stored chunk or non-tensor key (of
-    ``keys``, or all) has no storage record, or two records share bytes of a file (FMT-24)."""
+    ``keys``, or all) has no storage record, or two records share bytes of a file (FMT-29)."""
     storage = metadata.storage_data
     if not isinstance(storage, Mapping):
         return

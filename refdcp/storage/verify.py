@@ -111,7 +111,7 @@ def verify_ranges(metadata_bytes: bytes | None, read_range: ReadRange, path: str
             missing = fqn not in located_fqns
         if missing:
             report.problems.append(Problem(fqn, layout.METADATA_NAME, 0, "no storage location"))
-    report.problems += layout_problems(metadata)  # FMT-23, FMT-24
+    report.problems += layout_problems(metadata)  # FMT-28, FMT-29
     bad_files: dict[str, str] = {}
     for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         name = info.relative_path
@@ -152,7 +152,7 @@ def verify_ranges(metadata_bytes: bytes | None, read_range: ReadRange, path: str
 
 def layout_problems(metadata: Metadata) -> list[Problem]:
     """The stored-layout rules over every key: chunks that do not tile their tensor
-    (FMT-23) and records that share bytes of a file (FMT-24)."""
+    (FMT-28) and records that share bytes of a file (FMT-29)."""
     out = []
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

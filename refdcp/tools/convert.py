@@ -267,7 +267,7 @@ class _DcpSource(_Source):
                 "which refdcp convert does not decode"
             )
         size = os.fstat(self._fd(info.relative_path)).st_size
-        if info.offset + info.length > size:  # before anything is allocated for it (TOOL-28)
+        if info.offset + info.length > size:  # before anything is allocated for it (TOOL-29)
             raise CorruptionError(
                 f"item truncated: the data file holds {size} bytes, the item needs "
                 f"{info.offset + info.length}",
