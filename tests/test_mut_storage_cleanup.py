@@ -187,9 +187,28 @@ def test_a_caller_that_knows_the_references_skips_parsing(tmp_path: Path) -> Non
     _touch(tmp_path, f"__0_0.{A}.distcp", f"__0_0.{B}.distcp", "__0_0.distcp", "__1_0.distcp")
     (tmp_path / ".metadata").write_bytes(b"garbage")
     removed = reclaim_orphans(
-        tmp_path, own_token=OWN, referenced={f"__0_0.{A}.distcp", "__1_0.distcp"}, foreign_data=True
+        tmp_path,
+        own_token=OWN,
+        referenced={f"__0_0.{A}.distcp", "__1_0.distcp"},
+        committed_name=".metadata",  # the references of .metadata: it is not parsed
+        foreign_data=True,
     )
     assert sorted(removed) == sorted([f"__0_0.{B}.distcp", "__0_0.distcp"])
+
+
+@pytest.mark.spec("STORE-33")
+def test_known_references_still_honour_another_committed_metadata(tmp_path: Path) -> None:
+    _touch(tmp_path, f"__0_0.{A}.distcp", f"__0_0.{B}.distcp")
+    (tmp_path / ".metadata").write_bytes(b"garbage")  # known below: not parsed
+    (tmp_path / "__0.metadata").write_bytes(b"garbage")  # another checkpoint, unreadable
+    removed = reclaim_orphans(
+        tmp_path,
+        own_token=OWN,
+        referenced={f"__0_0.{A}.distcp"},
+        committed_name=".metadata",
+        foreign_data=True,
+    )
+    assert removed == []  # __0.metadata might reference B: nothing is removed
 
 
 @pytest.mark.spec("STORE-33")

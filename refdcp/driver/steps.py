@@ -267,6 +267,9 @@ class LoadContext(_Base):
                 f"verify=True needs a reader with checksums; {type(self.reader).__name__} has none"
             )
         assert self.planner is not None
+        if hasattr(self.planner, "apply_loaded_values"):
+            deferring: Any = self.planner
+            deferring.defer_nested_values = True  # placed at apply (LOAD-19)
         metadata = self.reader.read_metadata()
         self.slots[Slot.METADATA] = metadata
         self.planner.set_up_planner(sd, metadata, self.coordinator)
@@ -309,6 +312,9 @@ class LoadContext(_Base):
     def step_apply(self) -> None:
         """Hand loaded values to Stateful objects; replace other top-level values (LOAD-5, API-2)."""
         sd = self.slots[Slot.FLAT_STATE_DICT]
+        place = getattr(self.planner, "apply_loaded_values", None)
+        if place is not None:
+            place()  # nested non-tensor values (LOAD-19)
         for key, value in self.state_dict.items():
             if is_stateful(value):
                 value.load_state_dict(sd[key])

@@ -26,6 +26,7 @@ from refdcp.storage.metadata.safe_globals import (
     refused_global,
     unpickler_detail,
 )
+from refdcp.storage.metadata.stored_layout import check_tiling
 
 from .flatten import Flattened, flatten_state_dict, set_by_rich_path
 from .load_policy import LoadPolicy, LoadPolicyError, check_load
@@ -94,6 +95,10 @@ class DefaultLoadPlanner(LoadPlanner):
         )
         self.flat = Flattened()
         self.original_state_dict: dict[Any, Any] = {}
+        #: set by refdcp's load driver, which calls apply_loaded_values once every rank read
+        #: all its items (LOAD-19); torch's dcp.load has no such step, so values go in at once
+        self.defer_nested_values = False
+        self.deferred: list[tuple[Any, Any]] = []
         self.metadata: Metadata | None = None
         self.is_coordinator = False
 
@@ -106,6 +111,7 @@ class DefaultLoadPlanner(LoadPlanner):
         if metadata is None:
             raise ValueError("DefaultLoadPlanner needs the checkpoint's metadata")
         self.original_state_dict = state_dict
+        self.deferred = []
         self.flat = flatten_state_dict(state_dict)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -117,6 +123,7 @@ class DefaultLoadPlanner(LoadPlanner):
         keys, problems = check_load(self.flat.items, saved, self.policy)
         if problems:
             raise LoadPolicyError(problems)
+        check_tiling(self.metadata, keys)  # FMT-28: before any read is planned
         items: list[ReadItem] = []
         for fqn in keys:
             obj = self.flat.items[fqn]
@@ -158,8 +165,19 @@ class DefaultLoadPlanner(LoadPlanner):
         """Unpickle (weights-only unless ``allow_pickle``) into the original nesting (PLAN-7, FLAT-2)."""
         fqn = read_item.dest_index.fqn
         obj = load_object(fqn, value, self.policy.allow_pickle, self.safe_globals)
-        set_by_rich_path(self.original_state_dict, self.flat.rich[fqn], obj)
+        path = self.flat.rich[fqn]
+        if len(path) > 1 and self.defer_nested_values:  # placed when the load applies (LOAD-19)
+            self.deferred.append((path, obj))
+        else:  # top level: the driver's copy, handed over when the load applies (LOAD-5)
+            set_by_rich_path(self.original_state_dict, path, obj)
         self.flat.items[fqn] = obj
+
+    def apply_loaded_values(self) -> None:
+        """Place the nested non-tensor values read by this load (LOAD-19); the driver calls
+        it only once every rank read all its items."""
+        deferred, self.deferred = self.deferred, []
+        for path, obj in deferred:
+            set_by_rich_path(self.original_state_dict, path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """A view of the destination chunk narrowed to the read's box (RESHARD-1)."""

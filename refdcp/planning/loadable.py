@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from refdcp.planning.errors import UnloadableValueError
+from refdcp.storage.metadata.limits import get_metadata_limits
 from refdcp.storage.metadata.safe_globals import default_safe_globals, load_weights_only
 
 __all__ = [
@@ -138,7 +139,14 @@ def refuse_unloadable(
 ) -> None:
     """Check every flattened value; raise one :class:`UnloadableValueError` listing all (SAVE-12)."""
     problems = []
+    cap = get_metadata_limits().max_string_chars
     for key, value in items.items():
+        if len(key) > cap:  # SAVE-17: a default load refuses the string (FMT-10)
+            problems.append(
+                f"key {key[:80]!r}... ({len(key)} characters): longer than the {cap} characters "
+                "a default load accepts in .metadata (REFDCP_MAX_METADATA_STRING); use a shorter key"
+            )
+            continue
         if type(value) in _PLAIN_TENSORS and not value.is_meta and value.layout == _STRIDED:
             continue  # a dense plain tensor: _tensor_problem's answer, without the calls
         why = loadability_problem(value, safe_globals)

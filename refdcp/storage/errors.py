@@ -86,7 +86,8 @@ def _rebuild_malformed(message: str, field: str, file: str) -> MalformedMetadata
 
 class UnsafePathError(UnsafeMetadataError):
     """A data-file name from ``.metadata`` is not a plain name of a regular file
-    inside the checkpoint directory (STORE-26, STORE-27)."""
+    inside the checkpoint directory (STORE-26, STORE-27), or a file refdcp opens in
+    the directory (a lock file) is a symbolic link or not a regular file (STORE-56)."""
 
 
 class ConcurrentSaveError(RefdcpError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from refdcp.crc.kernel import crc32c
 from refdcp.storage.errors import (
@@ -22,6 +22,7 @@ from refdcp.storage.format import layout
 from refdcp.storage.format.items import checksum_of
 from refdcp.storage.fs.paths import open_data_file, pread_exact
 from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
+from refdcp.storage.metadata.stored_layout import record_problem, storage_records, tiling_problem
 
 __all__ = [
     "MetadataUnreadableError",
@@ -110,6 +111,7 @@ def verify_ranges(metadata_bytes: bytes | None, read_range: ReadRange, path: str
             missing = fqn not in located_fqns
         if missing:
             report.problems.append(Problem(fqn, layout.METADATA_NAME, 0, "no storage location"))
+    report.problems += layout_problems(metadata)  # FMT-28, FMT-29
     bad_files: dict[str, str] = {}
     for index, info in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         name = info.relative_path
@@ -146,6 +148,22 @@ def verify_ranges(metadata_bytes: bytes | None, read_range: ReadRange, path: str
         else:
             report.items_checked += 1
     return report
+
+
+def layout_problems(metadata: Metadata) -> list[Problem]:
+    """The stored-layout rules over every key: chunks that do not tile their tensor
+    (FMT-28) and records that share bytes of a file (FMT-29)."""
+    out = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            problem = tiling_problem(md.size, md.chunks)
+            if problem is not None:
+                message = f"the stored chunks do not tile the tensor: {problem}"
+                out.append(Problem(fqn, layout.METADATA_NAME, 0, message))
+    shared = record_problem(storage_records(metadata))
+    if shared is not None:
+        out.append(Problem(None, layout.METADATA_NAME, 0, shared))
+    return out
 
 
 #: bytes of an item read and checksummed at a time: memory stays bounded however large

@@ -65,6 +65,7 @@ from refdcp.storage.format.items import (
     make_storage_info,
     raw_view,
 )
+from refdcp.storage.fs.paths import open_data_file
 from refdcp.tools.progress import Progress
 
 __all__ = [
@@ -246,7 +247,7 @@ class _DcpSource(_Source):
     def _fd(self, relative_path: str) -> int:
         fd = self._fds.get(relative_path)
         if fd is None:
-            fd = os.open(self.path / relative_path, os.O_RDONLY)
+            fd = open_data_file(self.path, relative_path)  # the readers' rule (STORE-27)
             self._fds[relative_path] = fd
         return fd
 
@@ -260,6 +261,15 @@ class _DcpSource(_Source):
             raise ConvertError(
                 f"{fqn}: stored with stream transforms {info.transform_descriptors}, "
                 "which refdcp convert does not decode"
+            )
+        size = os.fstat(self._fd(info.relative_path)).st_size
+        if info.offset + info.length > size:  # before anything is allocated for it (TOOL-29)
+            raise CorruptionError(
+                f"item truncated: the data file holds {size} bytes, the item needs "
+                f"{info.offset + info.length}",
+                fqn=fqn,
+                file=info.relative_path,
+                offset=info.offset,
             )
         return info
 

@@ -92,6 +92,7 @@ def reclaim_orphans(
     own_token: str,
     rank_prefix: str | None = None,
     referenced: set[str] | None = None,
+    committed_name: str | None = None,
     foreign_data: bool = False,
 ) -> list[str]:
     """Remove files of earlier failed or killed saves (STORE-32). Call holding the save lock.
@@ -106,6 +107,10 @@ def reclaim_orphans(
     ``rank_prefix`` only that rank's files are considered (rank-local saves).
     ``foreign_data=True`` also removes unreferenced data files of torch's
     naming (``__{r}_{n}.distcp``), as STORE-5 asks after a commit.
+    ``referenced`` holds the references of the metadata file ``committed_name``
+    only: those of every other committed metadata file of the directory (global
+    and rank-local) are added, and no data file is removed when one of them
+    cannot be read (STORE-33).
     """
     try:
         names = os.listdir(root)
@@ -139,6 +144,13 @@ def reclaim_orphans(
             referenced = committed_references(root, names)
             if referenced is None:
                 data = []
+    elif data:
+        others = [n for n in names if _METADATA.match(n) and n != committed_name]
+        extra = committed_references(root, others) if others else set()
+        if extra is None:
+            data = []
+        else:
+            referenced = (referenced or set()) | extra
     refs = referenced or set()
     return remove_files(root, temps + [n for n in data if n not in refs])
 

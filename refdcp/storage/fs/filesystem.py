@@ -82,6 +82,7 @@ from refdcp.storage.metadata.safe import (
     load_metadata,
     read_metadata_file,
 )
+from refdcp.storage.metadata.stored_layout import check_records
 
 __all__ = ["FileSystemReader", "FileSystemWriter", "split_into_buckets"]
 
@@ -466,8 +467,12 @@ class FileSystemWriter(_AtPath, StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md = finalize_metadata(metadata, results, self.storage_meta())
-        blob = dump_metadata(metadata)
+        try:
+            storage_md = finalize_metadata(metadata, results, self.storage_meta())
+            blob = dump_metadata(metadata)
+        except BaseException as exc:
+            mark_commit(exc, False)  # SAVE-16: before the rename
+            raise
         rank = self._metadata_rank()
         tmp = self.path / layout.metadata_temp_name(rank, self.save_id)
         final = self.path / layout.rank_metadata_name(rank)
@@ -486,10 +491,15 @@ class FileSystemWriter(_AtPath, StorageWriter):
             os.replace(tmp, final)  # the commit point (STORE-1)
             self._committed = True
         except BaseException as exc:
-            tmp.unlink(missing_ok=True)
             if not self._committed:
-                mark_commit(exc, False)  # SAVE-16
-                self.abort_save()  # nothing was committed: remove every rank's files (STORE-31)
+                mark_commit(exc, False)  # SAVE-16: the rename did not happen
+            try:
+                tmp.unlink(missing_ok=True)
+                if not self._committed:
+                    self.abort_save()  # nothing was committed: remove every rank's files (STORE-31)
+            except BaseException as later:  # the clean-up failed too: still not committed
+                mark_commit(later, self._committed)
+                raise
             raise
         try:
             if self.sync_files:
@@ -513,6 +523,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         reclaim_orphans(
             self.path,
             own_token="-",
+            committed_name=layout.rank_metadata_name(self._metadata_rank()),
             rank_prefix=self._own_prefix(),
             referenced=keep,
             foreign_data=True,
@@ -573,6 +584,7 @@ class FileSystemReader(_AtPath, StorageReader):
     ) -> None:
         if metadata.storage_data is None:
             raise RefdcpError("metadata has no storage_data: not a filesystem checkpoint")
+        check_records(metadata, file=str(self.path / layout.METADATA_NAME))  # FMT-29
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = bool(kwargs.get("use_collectives", True))

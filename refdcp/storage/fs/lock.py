@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refdcp.storage.errors import ConcurrentSaveError
+from refdcp.storage.errors import ConcurrentSaveError, UnsafePathError
+from refdcp.storage.fs.paths import open_regular
 
 __all__ = ["SaveLock", "acquire_save_lock", "live_lock_tokens", "lock_name"]
 
@@ -166,7 +167,7 @@ def _create_excl(path: Path, token: str) -> int | None:
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
@@ -181,7 +182,7 @@ def acquire_save_lock(root: Path, metadata_name: str, token: str) -> SaveLock:
         if fd is not None:
             return SaveLock(path, fd, token)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = open_regular(path, os.O_RDWR)  # a planted link or FIFO is refused (STORE-56)
         except FileNotFoundError:
             continue  # released meanwhile: try to create it again
         try:
@@ -234,9 +235,9 @@ def live_lock_tokens(root: Path) -> set[str] | None:
         return None
     for name in names:
         try:
-            fd = os.open(root / name, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
+            fd = open_regular(root / name, os.O_RDONLY)
+        except (FileNotFoundError, UnsafePathError):
+            continue  # gone, or a link or FIFO: never a save's lock (STORE-56)
         except OSError:
             return None
         try:

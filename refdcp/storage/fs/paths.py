@@ -19,7 +19,14 @@ from pathlib import Path
 from refdcp.storage.errors import UnsafePathError
 from refdcp.storage.format.layout import MAX_NAME_BYTES, check_data_name
 
-__all__ = ["MAX_NAME_BYTES", "check_data_name", "open_data_file", "pread_exact", "pread_into"]
+__all__ = [
+    "MAX_NAME_BYTES",
+    "check_data_name",
+    "open_data_file",
+    "open_regular",
+    "pread_exact",
+    "pread_into",
+]
 
 
 def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None = None) -> int:
@@ -31,24 +38,35 @@ def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None =
     ``OSError``s (permission denied) propagate for the caller to report.
     """
     check_data_name(name, fqn=fqn)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    path = Path(root) / name
+    return open_regular(Path(root) / name, os.O_RDONLY)
+
+
+def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+    """Open ``path`` with ``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``; refuse a
+    symbolic link or anything but a regular file with ``UnsafePathError`` (STORE-27, STORE-56).
+
+    The type is checked with ``fstat`` on the opened descriptor, so nothing can be
+    swapped in between; a FIFO never blocks the open.
+    """
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(
-                f"{path}: is a symbolic link; refdcp reads only regular files of the checkpoint"
+                f"{path}: is a symbolic link; refdcp opens only regular files of the checkpoint"
             ) from exc
         raise
     try:
-        mode = os.fstat(fd).st_mode
+        st_mode = os.fstat(fd).st_mode
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st_mode):
         os.close(fd)
-        raise UnsafePathError(f"{path}: is not a regular file ({_kind(mode)}); refusing to read it")
+        raise UnsafePathError(
+            f"{path}: is not a regular file ({_kind(st_mode)}); refusing to open it"
+        )
     return fd
 
 
