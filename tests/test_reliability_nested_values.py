@@ -10,10 +10,15 @@ import pytest
 import torch
 
 import refdcp
+import refdcp.reference
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 
 warnings.filterwarnings("ignore", message="torch.distributed is not initialized")
+
+
+#: the default path and the reference path keep the same promise (REF-9)
+API: dict[str, Any] = {"fast": refdcp, "reference": refdcp.reference}
 
 
 def _state(v: float) -> dict[str, Any]:
@@ -28,9 +33,12 @@ def _unchanged(sd: dict[str, Any], v: float) -> bool:
     return sd["cfg"] == {"lr": v, "betas": (v, v), "inner": {"steps": [int(v)]}} and sd["top"] == v
 
 
-@pytest.mark.spec("LOAD-19", "LOAD-5")
-def test_a_load_failing_after_its_reads_leaves_nested_values_alone(tmp_path: Path) -> None:
-    refdcp.save(_state(1.0), checkpoint_id=tmp_path)
+@pytest.mark.spec("LOAD-19", "LOAD-5", "REF-9")
+@pytest.mark.parametrize("impl", sorted(API))
+def test_a_load_failing_after_its_reads_leaves_nested_values_alone(
+    tmp_path: Path, impl: str
+) -> None:
+    API[impl].save(_state(1.0), checkpoint_id=tmp_path)
 
     def fail_before_apply(i: int, action: Any) -> None:
         if "apply" in str(action).lower():
@@ -39,17 +47,18 @@ def test_a_load_failing_after_its_reads_leaves_nested_values_alone(tmp_path: Pat
     dest = _state(7.0)
     cfg = dest["cfg"]
     with pytest.raises(CheckpointError):
-        refdcp.load(dest, checkpoint_id=tmp_path, fault=fail_before_apply)
+        API[impl].load(dest, checkpoint_id=tmp_path, fault=fail_before_apply)
     assert _unchanged(dest, 7.0) and dest["cfg"] is cfg
-    refdcp.load(dest, checkpoint_id=tmp_path)  # and a load that succeeds places them
+    API[impl].load(dest, checkpoint_id=tmp_path)  # and a load that succeeds places them
     assert _unchanged(dest, 1.0)
 
 
-@pytest.mark.spec("LOAD-19")
+@pytest.mark.spec("LOAD-19", "REF-9")
+@pytest.mark.parametrize("impl", sorted(API))
 def test_a_tensor_failing_its_check_after_the_values_leaves_nested_values_alone(
-    tmp_path: Path,
+    tmp_path: Path, impl: str
 ) -> None:
-    md = refdcp.save(_state(1.0), checkpoint_id=tmp_path)
+    md = API[impl].save(_state(1.0), checkpoint_id=tmp_path)
     info = next(v for k, v in md.storage_data.items() if k.fqn == "w")
     path = tmp_path / info.relative_path
     data = bytearray(path.read_bytes())
@@ -57,13 +66,16 @@ def test_a_tensor_failing_its_check_after_the_values_leaves_nested_values_alone(
     path.write_bytes(bytes(data))
     dest = _state(7.0)
     with pytest.raises(CheckpointError):
-        refdcp.load(dest, checkpoint_id=tmp_path)
+        API[impl].load(dest, checkpoint_id=tmp_path)
     assert _unchanged(dest, 7.0)
 
 
-@pytest.mark.spec("LOAD-19", "LOAD-5")
-def test_another_ranks_failed_read_leaves_this_ranks_nested_values_alone(tmp_path: Path) -> None:
-    FakeWorld(2).run(lambda comm: refdcp.save(_state(1.0), checkpoint_id=tmp_path, comm=comm))
+@pytest.mark.spec("LOAD-19", "LOAD-5", "REF-9")
+@pytest.mark.parametrize("impl", sorted(API))
+def test_another_ranks_failed_read_leaves_this_ranks_nested_values_alone(
+    tmp_path: Path, impl: str
+) -> None:
+    FakeWorld(2).run(lambda comm: API[impl].save(_state(1.0), checkpoint_id=tmp_path, comm=comm))
 
     def load(comm: Any) -> bool:
         def fail_read_on_rank1(i: int, action: Any) -> None:
@@ -72,7 +84,7 @@ def test_another_ranks_failed_read_leaves_this_ranks_nested_values_alone(tmp_pat
 
         dest = _state(7.0)
         with pytest.raises(CheckpointError):
-            refdcp.load(dest, checkpoint_id=tmp_path, comm=comm, fault=fail_read_on_rank1)
+            API[impl].load(dest, checkpoint_id=tmp_path, comm=comm, fault=fail_read_on_rank1)
         return _unchanged(dest, 7.0)
 
     assert FakeWorld(2).run(load) == [True, True]

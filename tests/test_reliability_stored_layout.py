@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import refdcp
+import refdcp.reference
 from refdcp.errors import CheckpointError
 from refdcp.storage import MalformedMetadataError
 from refdcp.storage.metadata import stored_layout
@@ -304,6 +305,20 @@ def test_silent_layout_attacks_are_refused_before_any_destination_changes(
     dest, before = _fresh(), _fresh()
     kwargs: dict[str, Any] = {} if verify is None else {"verify": verify}
     _refused(lambda: refdcp.load(dest, checkpoint_id=root, **kwargs), match)
+    assert _same(dest, before)
+
+
+@pytest.mark.spec("REF-9", "FMT-28", "FMT-29")
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_the_reference_path_refuses_every_silent_layout_attack(tmp_path: Path, attack: str) -> None:
+    change, _ = ATTACKS[attack]
+    root = _save(tmp_path / "ckpt")
+    _edit(root, change)
+    dest, before = _fresh(), _fresh()
+    with pytest.raises(CheckpointError) as info:
+        refdcp.reference.load(dest, checkpoint_id=root)
+    (failure,) = info.value.rank_failures.values()
+    assert isinstance(failure.exception, MalformedMetadataError), failure.exception
     assert _same(dest, before)
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import struct
 import zipfile
@@ -21,7 +22,7 @@ from typing import Any
 import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from refdcp.storage import (
     CorruptionError,
@@ -183,8 +184,17 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _check_records(metadata: Metadata, file: str) -> None:
-    """Every storage record names a plain file name and a non-negative range (FMT-9, STORE-26)."""
-    for index, info in (metadata.storage_data or {}).items():
+    """Every storage record names a plain file name and a non-negative range (FMT-9, STORE-26),
+    every stored chunk and object has a record, and no two records share a byte (FMT-29)."""
+    records = metadata.storage_data or {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        chunks = md.chunks if isinstance(md, TensorStorageMetadata) else [None]
+        for chunk in chunks:
+            if chunk is not None and 0 in chunk.sizes:
+                continue  # an empty chunk is never read
+            if MetadataIndex(fqn, None if chunk is None else chunk.offsets) not in records:
+                raise MalformedMetadataError("no storage record", field=f"{fqn!r}", file=file)
+    for index, info in records.items():
         name = getattr(info, "relative_path", None)
         plain = isinstance(name, str) and name not in ("", ".", "..") and len(name.encode()) <= 255
         if not plain or any(c in str(name) for c in "/\\\0"):
@@ -195,3 +205,11 @@ def _check_records(metadata: Metadata, file: str) -> None:
                 raise MalformedMetadataError(
                     f"{field} is {value!r}", field=f"storage_data[{index.fqn!r}].{field}", file=file
                 )
+    spans = sorted(
+        (i.relative_path, i.offset, i.length, x.fqn) for x, i in records.items() if i.length
+    )
+    for (f1, start, length, a), (f2, next_start, _, b) in itertools.pairwise(spans):
+        if f1 == f2 and next_start < start + length:  # sorted: a shared byte shows in neighbours
+            raise MalformedMetadataError(
+                f"items {a!r} and {b!r} share bytes of {f1}", field="storage_data", file=file
+            )

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from refdcp.planning import LoadPolicy, LoadPolicyError
 from refdcp.planning.flatten import flatten_state_dict, set_by_rich_path
 from refdcp.planning.load_policy import check_load
+from refdcp.storage import MalformedMetadataError
 from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
     load_weights_only,
@@ -39,6 +40,7 @@ from refdcp.storage.metadata.safe_globals import (
     unpickler_detail,
 )
 
+from .metadata import chunk_problems
 from .save_planner import chunk_of
 
 __all__ = ["ReferenceLoadPlanner", "reads_for_chunk", "wanted_chunks"]
@@ -57,6 +59,9 @@ class ReferenceLoadPlanner(LoadPlanner):
     ) -> None:
         self.policy = LoadPolicy(strict, reject_unexpected, allow_cast)
         self.safe_globals = list(safe_globals)
+        #: set by refdcp's load driver: nested objects wait for the apply step (LOAD-19)
+        self.defer_nested_values = False
+        self.nested: list[tuple[Any, Any]] = []
 
     def set_up_planner(
         self,
@@ -79,6 +84,8 @@ class ReferenceLoadPlanner(LoadPlanner):
         reads: list[ReadItem] = []
         for fqn in keys:
             md = saved[fqn]
+            if isinstance(md, TensorStorageMetadata):
+                check_tiling(fqn, md)
             if not isinstance(md, TensorStorageMetadata):
                 index = MetadataIndex(fqn)
                 zero = torch.Size((0,))
@@ -107,8 +114,17 @@ class ReferenceLoadPlanner(LoadPlanner):
             raise UnsafeObjectError(
                 fqn, refused_global(str(exc)), unpickler_detail(str(exc))
             ) from exc
-        set_by_rich_path(self.state_dict, self.flat.rich[fqn], obj)
+        path = self.flat.rich[fqn]
+        if len(path) > 1 and self.defer_nested_values:
+            self.nested.append((path, obj))  # placed once every rank has read (LOAD-19)
+        else:
+            set_by_rich_path(self.state_dict, path, obj)
         self.flat.items[fqn] = obj
+
+    def apply_loaded_values(self) -> None:
+        """Place the nested objects this load read, now that every rank read all (LOAD-19)."""
+        for path, obj in self.nested:
+            set_by_rich_path(self.state_dict, path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         """The destination chunk, narrowed to the read's box (RESHARD-2, STORE-12)."""
@@ -125,6 +141,21 @@ class ReferenceLoadPlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # resolve_tensor handed out the destination itself: nothing to copy back
+
+
+def check_tiling(fqn: str, md: TensorStorageMetadata) -> None:
+    """The stored chunks of a key to be read tile its tensor exactly: inside it, no overlap, no
+    hole (FMT-28) -- META-2/3's rule, applied to what the checkpoint says before any read."""
+    problems = chunk_problems(
+        tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+    )
+    if problems:
+        chunks = [(list(c.offsets), list(c.sizes)) for c in md.chunks]
+        raise MalformedMetadataError(
+            f"stored chunks do not tile the tensor ({', '.join(sorted(set(problems)))}): {chunks}",
+            field=f"state_dict_metadata[{fqn!r}].chunks",
+            file=".metadata",
+        )
 
 
 def wanted_chunks(value: Any) -> list[ChunkStorageMetadata]:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItem
 
-__all__ = ["build_metadata", "reference_metadata_problems"]
+__all__ = ["build_metadata", "chunk_problems", "reference_metadata_problems"]
 
 Chunkless = Mapping[str, tuple[TensorProperties, torch.Size]]
 
@@ -83,14 +83,14 @@ def reference_metadata_problems(
             problems.append((fqn, "disagree"))
             continue
         chunks = [(tuple(td.chunk.offsets), tuple(td.chunk.sizes)) for td in tds]
-        problems += [(fqn, kind) for kind in _chunk_problems(tuple(tds[0].size), chunks)]
+        problems += [(fqn, kind) for kind in chunk_problems(tuple(tds[0].size), chunks)]
     for fqn, (_, size) in (chunkless or {}).items():  # a tensor no rank wrote a chunk of
         if fqn not in tensors and fqn not in objects:
-            problems += [(fqn, kind) for kind in _chunk_problems(tuple(size), [])]
+            problems += [(fqn, kind) for kind in chunk_problems(tuple(size), [])]
     return problems
 
 
-def _chunk_problems(size: tuple[int, ...], chunks: list[tuple[Any, Any]]) -> list[str]:
+def chunk_problems(size: tuple[int, ...], chunks: list[tuple[Any, Any]]) -> list[str]:
     """META-2 (inside the shape), META-3 (no overlap, full cover; at any world size)."""
     if not size:  # a 0-d tensor: exactly one chunk
         return [] if len(chunks) == 1 else ["cover"]
