@@ -40,6 +40,7 @@ from refdcp.storage.metadata.safe_globals import (
     unpickler_detail,
 )
 
+from .format import METADATA
 from .metadata import chunk_problems
 from .save_planner import chunk_of
 
@@ -154,7 +155,7 @@ def check_tiling(fqn: str, md: TensorStorageMetadata) -> None:
         raise MalformedMetadataError(
             f"stored chunks do not tile the tensor ({', '.join(sorted(set(problems)))}): {chunks}",
             field=f"state_dict_metadata[{fqn!r}].chunks",
-            file=".metadata",
+            file=METADATA,
         )
 
 
