@@ -94,10 +94,12 @@ def read_small_items(
     items: list[SmallItem],
     planner: LoadPlanner,
     batch: bool,
-    delivered: list[str],
+    delivered: list[str] | None = None,
 ) -> None:
     """Deliver ``items`` (sorted by offset) in order, in runs of adjacent items (STORE-47);
     the fqn of each item whose destination got its bytes is appended to ``delivered``."""
+    if delivered is None:
+        delivered = []
     run: list[SmallItem] = []
     end = -1
     run_bytes = 0
