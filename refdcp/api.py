@@ -203,6 +203,7 @@ def load(
     safe_globals: Sequence[Any] = (),
     fault: FaultHook | None = None,
     observer: Observer | None = None,
+    atomic: bool = False,
 ) -> None:
     """Load into ``state_dict`` in place, resharding as needed (API-1).
 
@@ -212,7 +213,10 @@ def load(
     (LOAD-10); ``verify=True`` requires and checks every item's checksum
     before delivering it (API-6); ``verify=False`` checks nothing.
     ``safe_globals`` extends the allow-list of globals that non-tensor values
-    may reference (LOAD-8).
+    may reference (LOAD-8). A failed load leaves no destination holding bytes
+    that failed their check (LOAD-20); ``atomic=True`` leaves every
+    destination and ``Stateful`` as it was, at the cost of a host copy of the
+    state dict's tensors during the load (LOAD-21).
     """
     _require_id(storage_reader, checkpoint_id, "storage_reader")
     c = resolve_comm(comm, process_group, no_dist)
@@ -226,9 +230,15 @@ def load(
         planner=_load_planner(planner, safe_globals),
         checkpoint_id=checkpoint_id,
         verify=verify,
+        atomic=atomic,
     )
     with gc_paused():
-        drive(LOAD, ctx, c, fault=fault, observer=observer)
+        try:
+            drive(LOAD, ctx, c, fault=fault, observer=observer)
+        except BaseException as exc:
+            for line in ctx.roll_back():  # atomic=True: every destination as it was (LOAD-21)
+                exc.add_note(line)
+            raise
         # free this load's metadata, plans and planner while the collector is paused: alive
         # when it resumes, they would all be traversed by its next pass (API-20)
         del ctx

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from refdcp.driver.commit_status import mark_finish_error
+from refdcp.driver.rollback import Snapshot
 from refdcp.errors import ProtocolError
 from refdcp.planning import LoadPolicyError
 from refdcp.protocol.names import Slot, Step
@@ -249,11 +250,18 @@ class LoadContext(_Base):
     planner: LoadPlanner | None = None
     checkpoint_id: Any = None
     verify: bool | None = None
+    #: all-or-nothing (LOAD-21): what the load may change, copied before anything is read
+    atomic: bool = False
+    snapshot: Snapshot | None = None
+    #: top-level keys whose ``Stateful.load_state_dict`` has run (LOAD-21 calls them again)
+    applied: list[Any] = field(default_factory=list)
 
     def step_set_up(self) -> None:
         """Stateful destinations, metadata, planner and reader set-up (LOAD-1, API-2)."""
         sd = unwrap_stateful(self.state_dict)  # keys of any type, in the caller's order
         self.slots[Slot.FLAT_STATE_DICT] = sd
+        if self.atomic:
+            self.snapshot = Snapshot(self.state_dict, sd)
         if self.reader is None:
             assert self.reader_factory is not None
             self.reader = self.reader_factory()
@@ -317,10 +325,18 @@ class LoadContext(_Base):
             place()  # nested non-tensor values (LOAD-19)
         for key, value in self.state_dict.items():
             if is_stateful(value):
+                self.applied.append(key)
                 value.load_state_dict(sd[key])
             else:
                 self.state_dict[key] = sd[key]
         self.slots[Slot.APPLY_OUTCOME] = True
+
+    def roll_back(self) -> list[str]:
+        """After a failed all-or-nothing load: leave every destination as it was (LOAD-21);
+        a line for each ``Stateful`` that refused its old state."""
+        if self.snapshot is None:
+            return []
+        return self.snapshot.restore(self.state_dict, self.applied)
 
     HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {
         Step.SET_UP: step_set_up,

@@ -25,7 +25,9 @@ class CorruptionError(RefdcpError):
     """Stored bytes do not match their checksum or framing (INTEG-3).
 
     ``fqn``, ``file`` and ``offset`` locate the damaged item (``fqn`` is None
-    for damage to ``.metadata`` itself).
+    for damage to ``.metadata`` itself). ``overwritten`` names the keys whose
+    destinations this rank's load had already given checkpoint values when it
+    failed (LOAD-20); empty where nothing was delivered or it is not known.
     """
 
     def __init__(self, message: str, *, fqn: str | None, file: str, offset: int) -> None:
@@ -34,15 +36,30 @@ class CorruptionError(RefdcpError):
         self.fqn = fqn
         self.file = file
         self.offset = offset
+        self.overwritten: tuple[str, ...] = ()
+
+    def name_overwritten(self, keys: list[str]) -> None:
+        """Record and state the keys already overwritten on this rank (LOAD-20)."""
+        unique = tuple(dict.fromkeys(keys))
+        self.overwritten = unique
+        shown = ", ".join(repr(k) for k in unique[:10])
+        more = f" and {len(unique) - 10} more" if len(unique) > 10 else ""
+        said = f"{shown}{more}" if unique else "none"
+        self.args = (f"{self.args[0]}; keys already overwritten on this rank: {said}",)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_corruption, (self.args[0], self.fqn, self.file, self.offset))
+        return (
+            _rebuild_corruption,
+            (self.args[0], self.fqn, self.file, self.offset, self.overwritten),
+        )
 
 
-def _rebuild_corruption(message: str, fqn: str | None, file: str, offset: int) -> CorruptionError:
+def _rebuild_corruption(
+    message: str, fqn: str | None, file: str, offset: int, overwritten: tuple[str, ...] = ()
+) -> CorruptionError:
     err = CorruptionError.__new__(CorruptionError)
     RefdcpError.__init__(err, message)
-    err.fqn, err.file, err.offset = fqn, file, offset
+    err.fqn, err.file, err.offset, err.overwritten = fqn, file, offset, overwritten
     return err
 
 

@@ -13,7 +13,8 @@ piece in progress. On a busy machine a helper only competes for the CPUs
 running; 0.92 vs 0.81 with one idle), so there, and for small items, each
 1 MiB piece is checksummed inline right after its read, while it is in cache.
 Either way one CRC covers the item's framing bytes and data, and a mismatch
-raises after the read.
+raises after the read, with the destination zero-filled first (LOAD-20): keeping
+the old bytes instead would cost a copy of every destination on every load.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from typing import Any
 
+import torch
+
 from refdcp.crc.kernel import crc32c
 from refdcp.crc.pieces import PieceCrc, helpers_if_cpu_free
 from refdcp.storage.errors import CorruptionError
 from refdcp.storage.format.items import checksum_of, data_offset_of
 from refdcp.storage.fs.paths import pread_into
 
-__all__ = ["PIECE_BYTES", "THREAD_MIN_BYTES", "THREAD_PIECE_BYTES", "read_checked_into"]
+__all__ = [
+    "PIECE_BYTES",
+    "THREAD_MIN_BYTES",
+    "THREAD_PIECE_BYTES",
+    "read_checked_into",
+    "scrub",
+]
 
 #: bytes read and checksummed at a time inline: small enough to stay in the L2 cache
 PIECE_BYTES = 1 << 20
@@ -50,14 +59,29 @@ def _read_small(fd: int, n: int, offset: int, fqn: str, file: str) -> bytearray:
     return buf
 
 
+def scrub(view: memoryview) -> None:
+    """Zero-fill ``view``: a destination never keeps bytes that failed their check (LOAD-20)."""
+    if len(view):
+        torch.frombuffer(view, dtype=torch.uint8).zero_()
+
+
 def read_checked_into(fd: int, view: memoryview, info: Any, fqn: str, file: str) -> None:
     """Read an item's data into ``view`` and check the item's CRC-32C (LOAD-10, LOAD-13).
 
     ``view`` receives the raw data bytes (after refdcp's framing header);
     the CRC covers the whole stored byte range, framing included (INTEG-1).
     Raises :class:`CorruptionError` naming fqn, file and offset on a
-    mismatch or a short file; ``view`` may then hold the damaged bytes.
+    mismatch or a short file; ``view`` is then zero-filled, as after any
+    failure before the check passed, so it never keeps unchecked bytes (LOAD-20).
     """
+    try:
+        _read_checked_into(fd, view, info, fqn, file)
+    except BaseException:
+        scrub(view)
+        raise
+
+
+def _read_checked_into(fd: int, view: memoryview, info: Any, fqn: str, file: str) -> None:
     expected = checksum_of(info)
     data_off = data_offset_of(info)
     assert expected is not None and data_off is not None

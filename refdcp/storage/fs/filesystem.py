@@ -556,6 +556,7 @@ class FileSystemReader(_AtPath, StorageReader):
         self.use_collectives = True
         self._chunks: ChunkIndex | None = None
         self._verified: set[tuple[str, int]] = set()
+        self._delivered: list[str] = []  # fqns delivered by the read in progress (LOAD-20)
 
     def set_verify(self, verify: bool | None) -> None:
         """True: check every item before delivering it, requiring checksums (INTEG-4);
@@ -598,6 +599,22 @@ class FileSystemReader(_AtPath, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read ``plan``'s items; a :class:`CorruptionError` names the keys whose destinations
+        already hold checkpoint values, and the damaged item's destination is zero-filled
+        (LOAD-20)."""
+        self._delivered = []
+        try:
+            self._read_plan(plan, planner)
+        except CorruptionError as exc:
+            exc.name_overwritten(self._delivered)
+            raise
+        finally:
+            self._delivered = []
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[tuple[int, ReadItem, Any]]] = {}
         transformed: dict[str, list[tuple[int, ReadItem, Any]]] = {}
         for req in plan.items:
@@ -628,9 +645,6 @@ class FileSystemReader(_AtPath, StorageReader):
                 self._read_items(fd, relative_path, prepared, planner)
             finally:
                 os.close(fd)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def _read_transformed(
         self, per_file: dict[str, list[tuple[int, ReadItem, Any]]], planner: LoadPlanner
@@ -662,6 +676,7 @@ class FileSystemReader(_AtPath, StorageReader):
                         self._extension_registry,
                         checked,
                     )
+                    self._delivered.append(req.storage_index.fqn)
             finally:
                 os.close(fd)
 
@@ -711,11 +726,12 @@ class FileSystemReader(_AtPath, StorageReader):
                 run.append(small)
                 continue
             if run:
-                read_small_items(fd, relative_path, run, planner, batch)
+                read_small_items(fd, relative_path, run, planner, batch, self._delivered)
                 run = []
             self._read_item(fd, relative_path, req, info, planner)
+            self._delivered.append(req.storage_index.fqn)
         if run:
-            read_small_items(fd, relative_path, run, planner, batch)
+            read_small_items(fd, relative_path, run, planner, batch, self._delivered)
 
     def _read_item(
         self, fd: int, relative_path: str, req: ReadItem, info: Any, planner: LoadPlanner
@@ -724,9 +740,9 @@ class FileSystemReader(_AtPath, StorageReader):
 
         ``verify=True``: every item is checked before any of it is delivered
         (a large one in bounded memory, STORE-41). The default (checked when a
-        checksum exists): a whole-chunk read is checked while it is read, so a
-        damaged item may already be in the destination when the load raises;
-        a partial read checks its whole item first.
+        checksum exists): a whole-chunk read is checked while it is read into
+        place, and a damaged item's destination is zero-filled before the load
+        raises (LOAD-20); a partial read checks its whole item first.
         """
         fqn = req.storage_index.fqn
         byte_io = req.type == LoadItemType.BYTE_IO

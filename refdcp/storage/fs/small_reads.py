@@ -36,7 +36,7 @@ from refdcp.errors import RefdcpError
 from refdcp.storage.errors import CorruptionError
 from refdcp.storage.format.items import raw_view
 from refdcp.storage.format.tensor_values import bytes_are_values
-from refdcp.storage.fs.checked_read import PIECE_BYTES
+from refdcp.storage.fs.checked_read import PIECE_BYTES, scrub
 
 __all__ = ["SmallItem", "batches_items", "read_small_items", "register_default_methods"]
 
@@ -89,9 +89,17 @@ def batches_items(planner: LoadPlanner) -> bool:
 
 
 def read_small_items(
-    fd: int, file: str, items: list[SmallItem], planner: LoadPlanner, batch: bool
+    fd: int,
+    file: str,
+    items: list[SmallItem],
+    planner: LoadPlanner,
+    batch: bool,
+    delivered: list[str] | None = None,
 ) -> None:
-    """Deliver ``items`` (sorted by offset) in order, in runs of adjacent items (STORE-47)."""
+    """Deliver ``items`` (sorted by offset) in order, in runs of adjacent items (STORE-47);
+    the fqn of each item whose destination got its bytes is appended to ``delivered``."""
+    if delivered is None:
+        delivered = []
     run: list[SmallItem] = []
     end = -1
     run_bytes = 0
@@ -102,22 +110,24 @@ def read_small_items(
             or len(run) * 2 >= MAX_IOV
             or run_bytes + item.length > PIECE_BYTES
         ):
-            _deliver_run(fd, file, run, planner)
+            _deliver_run(fd, file, run, planner, delivered)
             run, run_bytes = [], 0
         run.append(item)
         end = item.offset + item.length
         run_bytes += item.length
     if run:
-        _deliver_run(fd, file, run, planner)
+        _deliver_run(fd, file, run, planner, delivered)
 
 
-def _deliver_run(fd: int, file: str, run: list[SmallItem], planner: LoadPlanner) -> None:
+def _deliver_run(
+    fd: int, file: str, run: list[SmallItem], planner: LoadPlanner, delivered: list[str]
+) -> None:
     targets = [_resolve(planner, item) for item in run]
     if len(run) > 1 and _overlap(targets):
         for item, target in zip(run, targets):
-            _read_and_commit(fd, file, [item], [target], planner)
+            _read_and_commit(fd, file, [item], [target], planner, delivered)
         return
-    _read_and_commit(fd, file, run, targets, planner)
+    _read_and_commit(fd, file, run, targets, planner, delivered)
 
 
 def _resolve(planner: LoadPlanner, item: SmallItem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +157,7 @@ def _read_and_commit(
     run: list[SmallItem],
     targets: list[tuple[torch.Tensor, torch.Tensor]],
     planner: LoadPlanner,
+    delivered: list[str],
 ) -> None:
     base = run[0].offset
     total = sum(item.length for item in run)
@@ -166,24 +177,32 @@ def _read_and_commit(
             span = head_end
         pos = end
     views.append(scratch[span:pos])
-    got = _preadv_all(fd, views, base, total)
-    for item, (target, into), (head, data, tail) in zip(run, targets, parts):
-        if got < item.offset - base + item.length:
-            raise CorruptionError(
-                "data file truncated",
-                fqn=item.req.storage_index.fqn,
-                file=file,
-                offset=base + got,
-            )
-        if item.crc is not None:
-            crc = crc32c.crc32c(tail, crc32c.crc32c(data, crc32c.crc32c(head)))
-            if crc != item.crc:
+    try:
+        got = _preadv_all(fd, views, base, total)
+    except BaseException:
+        _scrub_from(0, run, targets, parts, -1, delivered)
+        raise
+    for k, (item, (target, into), (head, data, tail)) in enumerate(zip(run, targets, parts)):
+        try:
+            if got < item.offset - base + item.length:
                 raise CorruptionError(
-                    f"checksum mismatch (stored {item.crc:08x}, computed {crc:08x})",
+                    "data file truncated",
                     fqn=item.req.storage_index.fqn,
                     file=file,
-                    offset=item.offset,
+                    offset=base + got,
                 )
+            if item.crc is not None:
+                crc = crc32c.crc32c(tail, crc32c.crc32c(data, crc32c.crc32c(head)))
+                if crc != item.crc:
+                    raise CorruptionError(
+                        f"checksum mismatch (stored {item.crc:08x}, computed {crc:08x})",
+                        fqn=item.req.storage_index.fqn,
+                        file=file,
+                        offset=item.offset,
+                    )
+        except BaseException:
+            _scrub_from(k, run, targets, parts, got, delivered)
+            raise
         if into is not target:
             if target.size() != into.size():
                 raise RefdcpError(
@@ -191,7 +210,35 @@ def _read_and_commit(
                     f"{tuple(target.size())} != stored size {tuple(into.size())}"
                 )
             target.copy_(into)
+        delivered.append(item.req.storage_index.fqn)
         planner.commit_tensor(item.req, target)
+
+
+def _scrub_from(
+    first: int,
+    run: list[SmallItem],
+    targets: list[tuple[torch.Tensor, torch.Tensor]],
+    parts: list[tuple[memoryview, memoryview, memoryview]],
+    got: int,
+    delivered: list[str],
+) -> None:
+    """After item ``first`` of a run failed its check: zero-fill its destination, and of the
+    items after it, which the read already filled in place, keep those that pass their
+    check (listed in ``delivered``) and zero-fill the others (LOAD-20); ``got``: the bytes
+    the run's read returned (-1: the read itself failed)."""
+    base = run[0].offset
+    for k in range(first, len(run)):
+        item, (target, into), (head, data, tail) = run[k], targets[k], parts[k]
+        if into is not target:
+            continue  # read into a scratch tensor: the destination was never touched
+        whole = got >= item.offset - base + item.length
+        ok = k > first and whole
+        if ok and item.crc is not None:
+            ok = crc32c.crc32c(tail, crc32c.crc32c(data, crc32c.crc32c(head))) == item.crc
+        if ok:
+            delivered.append(item.req.storage_index.fqn)
+        else:
+            scrub(data)
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int, total: int) -> int:
