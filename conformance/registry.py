@@ -73,10 +73,14 @@ class Context:
 
     def location(self) -> Any:
         """A fresh checkpoint location of the backend."""
+        return self.location_in_scratch()[0]
+
+    def location_in_scratch(self) -> tuple[Any, Path]:
+        """A fresh checkpoint location and the scratch directory it was made in."""
         self._n += 1
         scratch = self.root / f"loc{self._n}"
         scratch.mkdir()
-        return self.backend.new_location(scratch)
+        return self.backend.new_location(scratch), scratch
 
 
 @contextmanager
