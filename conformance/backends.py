@@ -25,6 +25,7 @@ __all__ = [
     "refdcp_fs",
     "refdcp_memory",
     "torch_fs",
+    "torch_fs_synced",
     "torch_fsspec_file",
     "torch_fsspec_memory",
 ]
@@ -32,7 +33,8 @@ __all__ = [
 
 @dataclass
 class RefdcpFileSystem:
-    """refdcp's FileSystemWriter/Reader; ``sync_files`` off to keep the suite fast."""
+    """refdcp's FileSystemWriter/Reader, with ``sync_files=True`` (its default), as the
+    power-loss checks need (CONF-58..60)."""
 
     name: str = "refdcp FileSystemWriter/FileSystemReader"
     capabilities: Capabilities = field(
@@ -45,7 +47,7 @@ class RefdcpFileSystem:
     def writer(self, location: Any, *, rank: int, thread_count: int = 1) -> StorageWriter:
         from refdcp.storage import FileSystemWriter
 
-        return FileSystemWriter(location, sync_files=False, thread_count=thread_count)
+        return FileSystemWriter(location, sync_files=True, thread_count=thread_count)
 
     def reader(self, location: Any) -> StorageReader:
         from refdcp.storage import FileSystemReader
@@ -83,16 +85,21 @@ class RefdcpMemory:
 
 @dataclass
 class TorchFileSystem:
-    """torch 2.13's FileSystemWriter/FileSystemReader."""
+    """torch 2.13's FileSystemWriter/FileSystemReader, with ``sync_files`` as given."""
 
-    name: str = "torch FileSystemWriter/FileSystemReader"
+    name: str = ""
     capabilities: Capabilities = field(default_factory=lambda: Capabilities(thread_count=True))
+    sync_files: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = f"torch FileSystemWriter/FileSystemReader (sync_files={self.sync_files})"
 
     def new_location(self, scratch: Path) -> Any:
         return str(scratch / "ckpt")
 
     def writer(self, location: Any, *, rank: int, thread_count: int = 1) -> StorageWriter:
-        return TorchFSWriter(location, sync_files=False, thread_count=thread_count)
+        return TorchFSWriter(location, sync_files=self.sync_files, thread_count=thread_count)
 
     def reader(self, location: Any) -> StorageReader:
         return TorchFSReader(location)
@@ -139,6 +146,10 @@ def refdcp_memory() -> RefdcpMemory:
 
 def torch_fs() -> TorchFileSystem:
     return TorchFileSystem()
+
+
+def torch_fs_synced() -> TorchFileSystem:
+    return TorchFileSystem(sync_files=True)
 
 
 def torch_fsspec_file() -> TorchFsspec:

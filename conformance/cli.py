@@ -64,7 +64,9 @@ def conformance_command(
         sys.stdout.write(to_markdown(backend.name, results))
     else:
         for r in results:
-            sys.stdout.write(f"{r.id:<8} {r.level:<10} {r.status:<5} {r.title}\n")
+            sys.stdout.write(
+                f"{r.id:<8} {r.level:<10} {r.status:<5} {r.seconds:7.2f} s  {r.title}\n"
+            )
             if r.reason:
                 sys.stdout.write(f"         {r.reason}\n")
     bad = failed_musts(results)

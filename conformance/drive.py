@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from conformance.registry import tick
 from refdcp.driver.steps import set_up_reader, set_up_writer
 
 __all__ = [
@@ -116,6 +117,7 @@ def save_ranks(
     planners: list[DefaultSavePlanner] = []
     for rank, (writer, sd) in enumerate(zip(writers, state_dicts, strict=True)):
         coord = rank == 0
+        tick()  # every call into the backend is progress for the watchdog (CONF-51)
         if reset:
             writer.reset(checkpoint_id)
         planner: DefaultSavePlanner
@@ -133,24 +135,30 @@ def save_ranks(
         tr.local_in.append(plan)
         _check(fault, "prepare_local_plan", rank)
         tr.local_out.append(writer.prepare_local_plan(plan))
+        tick()
         planners.append(planner)
     global_plans, metadata = planners[0].create_global_plan(tr.local_out)
     tr.global_in = list(global_plans)
     _check(fault, "prepare_global_plan", 0)
     tr.global_out = writers[0].prepare_global_plan(list(global_plans))
+    tick()
     for rank, writer in enumerate(writers):
         final = planners[rank].finish_plan(tr.global_out[rank])
         tr.final_plans.append(final)
         _check(fault, "write_data", rank)
+        tick()
         fut = writer.write_data(final, planners[rank])
         tr.futures.append(fut)
         tr.results.append(fut.wait())
+        tick()
     if before_finish is not None:
         before_finish()
     _check(fault, "finish", 0)
     if fault is not None and fault.step == "finish:inside":
         metadata.planner_data = _Unpicklable()
+    tick()
     writers[0].finish(metadata=metadata, results=tr.results)
+    tick()
     tr.metadata = metadata
     return metadata
 
@@ -170,6 +178,7 @@ def load_ranks(
     local_in: list[LoadPlan] = []
     for rank, (reader, sd) in enumerate(zip(readers, state_dicts, strict=True)):
         coord = rank == 0
+        tick()
         if reset:
             reader.reset(checkpoint_id)
         metadata = reader.read_metadata()
@@ -179,6 +188,7 @@ def load_ranks(
         plan = planner.create_local_plan()
         local_in.append(plan)
         local.append(reader.prepare_local_plan(plan))
+        tick()
         used.append(planner)
     global_in = used[0].create_global_plan(local)
     global_out = readers[0].prepare_global_plan(list(global_in))
@@ -187,5 +197,7 @@ def load_ranks(
         plans_seen.append((list(global_in), list(global_out)))
     for rank, reader in enumerate(readers):
         final = used[rank].finish_plan(global_out[rank])
+        tick()
         fut: Future[None] = reader.read_data(final, used[rank])
         fut.wait()
+        tick()

@@ -21,6 +21,7 @@ TARGETS = {
     "refdcp_fs": "conformance.backends:refdcp_fs",
     "refdcp_memory": "conformance.backends:refdcp_memory",
     "torch_fs": "conformance.backends:torch_fs",
+    "torch_fs_synced": "conformance.backends:torch_fs_synced",
     "torch_fsspec_file": "conformance.backends:torch_fsspec_file",
     "torch_fsspec_memory": "conformance.backends:torch_fsspec_memory",
     "example_dict": "conformance.examples.dict_backend:backend",

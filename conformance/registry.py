@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ __all__ = [
     "describe",
     "plain",
     "spec",
+    "tick",
 ]
 
 
@@ -73,10 +76,14 @@ class Context:
 
     def location(self) -> Any:
         """A fresh checkpoint location of the backend."""
+        return self.location_in_scratch()[0]
+
+    def location_in_scratch(self) -> tuple[Any, Path]:
+        """A fresh checkpoint location and the scratch directory it was made in."""
         self._n += 1
         scratch = self.root / f"loc{self._n}"
         scratch.mkdir()
-        return self.backend.new_location(scratch)
+        return self.backend.new_location(scratch), scratch
 
 
 @contextmanager
@@ -86,6 +93,34 @@ def context(backend: Backend, examples: int = 10) -> Iterator[Context]:
         yield Context(backend, root, examples)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+class Progress:
+    """When the check running in a thread last saw the backend move: its watchdog (CONF-51)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+
+_local = threading.local()
+_current: list[Progress] = []
+
+
+def watch(progress: Progress) -> None:
+    """Make ``progress`` the clock that :func:`tick` moves, for this thread and for
+    threads a check starts (which have no clock of their own)."""
+    _local.progress = progress
+    _current[:] = [progress]
+
+
+def tick() -> None:
+    """A call into the backend started or returned: the running check made progress."""
+    progress = getattr(_local, "progress", None) or (_current[0] if _current else None)
+    if progress is not None:
+        progress.tick()
 
 
 CheckFn = Callable[[Context], None]

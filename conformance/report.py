@@ -47,7 +47,7 @@ def _cell(text: str) -> str:
 
 
 def to_markdown(backend_name: str, results: Sequence[Result]) -> str:
-    """A markdown table: requirement, level, status, title, reason."""
+    """A markdown table: requirement, level, status, seconds the check took, title, reason."""
     doc = to_json(backend_name, results)
     lines = [
         f"## Conformance: {backend_name}",
@@ -56,12 +56,15 @@ def to_markdown(backend_name: str, results: Sequence[Result]) -> str:
         f"{doc['summary']['n/a']} not applicable; "
         + ("**conforms** (no failed MUST)" if doc["ok"] else "**does not conform**"),
         "",
-        "| requirement | level | status | check | reason |",
-        "| --- | --- | --- | --- | --- |",
+        "| requirement | level | status | seconds | check | reason |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         status = {"pass": "pass", "fail": "**FAIL**", "n/a": "n/a"}[r.status]
         if r.status == "fail" and not r.level.startswith("MUST"):
             status = "fail (warning)"
-        lines.append(f"| {r.id} | {r.level} | {status} | {_cell(r.title)} | {_cell(r.reason)} |")
+        lines.append(
+            f"| {r.id} | {r.level} | {status} | {r.seconds:.2f} | {_cell(r.title)} "
+            f"| {_cell(r.reason)} |"
+        )
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ from torch.futures import Future
 from conformance.cli import conformance_command
 from conformance.examples.dict_backend import DictBackend, DictReader, DictWriter
 from conformance.plugin import conformance_tests
+from conformance.report import to_markdown
 from conformance.runner import run_checks
 from tests.test_conformance_blind_spots import by_id, with_writer
 from tests.test_conformance_broken import InPlaceWriter
+from tests.test_conformance_power_loss import PosixBackend, SyncedFileWriter
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -187,6 +190,38 @@ def test_the_command_line_exits_and_writes_its_report_despite_a_hang(tmp_path: P
     statuses = {r["id"]: r["status"] for r in doc["results"]}
     assert statuses["CONF-14"] == "fail" and list(statuses.values()).count("fail") == 1
     assert "timed out after 2 s" in proc.stdout
+
+
+class SlowWriter(SyncedFileWriter):
+    """A correct POSIX writer that takes ``DELAY`` seconds in every ``write_data``."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        time.sleep(SLOW_DELAY)
+        return super().write_data(plan, planner)
+
+
+#: The reported case, 2 s per write_data against the default limit of 120 s, scaled down by
+#: 40 to 0.05 s against a limit of 1 s: the limit is 20 calls long here, 60 in the reported
+#: case, so this test is the harsher of the two; the checks below make far more than 20
+#: calls, so a limit on a check's whole run would fail them, as 120 s failed CONF-48.
+SLOW_DELAY = 0.05
+SLOW_TIMEOUT = 1.0
+
+
+def slow_backend() -> PosixBackend:
+    return PosixBackend(SlowWriter, "slow but correct")
+
+
+@pytest.mark.spec("CONF-51", "CONF-41")
+def test_a_slow_correct_backend_passes_and_the_report_gives_each_checks_time() -> None:
+    # the two checks that timed out on the reported backend, whose time grows with its speed
+    only = {"CONF-28", "CONF-48"}
+    results = run_checks(slow_backend(), only=only, examples=3, timeout=SLOW_TIMEOUT)
+    assert all(r.status == "pass" for r in results), [(r.id, r.reason) for r in results]
+    # the premise: these checks ran longer than the limit, made of many slow calls
+    assert max(r.seconds for r in results) > SLOW_TIMEOUT
+    md = to_markdown("slow", results)
+    assert "| seconds |" in md and f"| {by_id(results)['CONF-48'].seconds:.2f} |" in md
 
 
 # --- readable reasons (CONF-54) ---------------------------------------------------------------

@@ -20,6 +20,10 @@ pytestmark = [
 ]
 
 
+#: the power-loss checks: not applicable to storage that writes no files
+POWER = {"CONF-58", "CONF-59", "CONF-60"}
+
+
 def _statuses(results: list[Result]) -> dict[str, str]:
     return {r.id: r.status for r in results}
 
@@ -73,6 +77,8 @@ def test_refdcp_storage_and_example_pass_every_check(make: object) -> None:
     for r in results:
         if r.status == "n/a" and r.id == "CONF-48" and make is not refdcp_fs:
             assert "not shared between processes" in r.reason, r  # in-memory storage
+        elif r.status == "n/a" and r.id in POWER and make is not refdcp_fs:
+            assert "not a POSIX file backend" in r.reason, r  # no file to lose power on
         elif r.status == "n/a":
             assert r.reason.startswith("backend does not declare"), r
     assert st["CONF-29"] == "pass"  # these backends declare atomic_overwrite
@@ -83,7 +89,10 @@ def test_refdcp_storage_and_example_pass_every_check(make: object) -> None:
 def test_torch_storage_meets_every_must_but_not_atomic_overwrite(make: object) -> None:
     backend = make()  # type: ignore[operator]
     results = run_checks(backend, examples=3)
-    assert not failed_musts(results), failed_musts(results)
+    # torch_fs saves with sync_files=False: a power loss may lose data under a committed
+    # .metadata (CONF-58), and no save is durable (CONF-60); reported, not hidden
+    allowed = POWER - {"CONF-59"} if make is torch_fs else set()
+    assert {r.id for r in failed_musts(results)} <= allowed, failed_musts(results)
     st = _statuses(results)
     assert st["CONF-25"] == "fail"  # torch overwrites data files in place
     assert st["CONF-29"] == "n/a"
@@ -113,7 +122,8 @@ def test_cli_writes_json_and_markdown_and_exit_status(
     assert doc["ok"] is True and doc["backend"] == "example DictBackend"
     assert {r["id"] for r in doc["results"]} == {c.id for c in all_checks()}
     # CONF-48 needs storage shared between processes; the example keeps a dict in memory.
-    assert all(r["status"] == "pass" for r in doc["results"] if r["id"] != "CONF-48")
+    # nor do the power-loss checks apply: it writes no files (CONF-58..60)
+    assert all(r["status"] == "pass" for r in doc["results"] if r["id"] not in POWER | {"CONF-48"})
     text = capsys.readouterr().out
     assert "| CONF-10 | MUST | pass |" in text
     assert "conforms" in text

@@ -14,7 +14,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from conformance.drive import Fault, load_ranks, save_ranks
-from conformance.registry import CheckFailed, Context, NotApplicable, backend_error, describe
+from conformance.registry import (
+    CheckFailed,
+    Context,
+    NotApplicable,
+    backend_error,
+    describe,
+    tick,
+)
 from conformance.truth import assert_same, blank_like, clone_truth, finite_tensor
 
 __all__ = [
@@ -126,9 +133,11 @@ def load_into(
 
 def read_metadata(ctx: Context, location: Any) -> Metadata:
     """What a fresh reader's ``read_metadata`` returns at ``location`` (it may raise)."""
+    tick()
     reader = ctx.backend.reader(location)
     reader.reset(location)
     md = reader.read_metadata()
+    tick()
     if not isinstance(md, Metadata):
         raise CheckFailed(f"read_metadata returned {type(md).__name__}, not Metadata")
     return md

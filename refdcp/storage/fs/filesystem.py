@@ -103,6 +103,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_dir(path: Path, sync: bool) -> None:
+    """Create ``path`` and its missing parents; with ``sync``, fsync the parent of each
+    directory it created, so the new names survive a power loss (STORE-4)."""
+    created: list[Path] = []
+    p = path
+    while not p.exists() and p.parent != p:
+        created.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    if sync:
+        for d in created:
+            _fsync_dir(d.parent)
+
+
 def _item_nbytes(item: WriteItem) -> int:
     assert item.tensor_data is not None
     return (
@@ -365,7 +379,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         return None if self.use_collectives or self.rank is None else self.rank
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.path.mkdir(parents=True, exist_ok=True)
+        _make_dir(self.path, self.sync_files)
         existing = self.path / layout.rank_metadata_name(self._metadata_rank())
         if existing.exists() and not self.overwrite:
             raise CheckpointExistsError(
