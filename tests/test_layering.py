@@ -466,3 +466,13 @@ def test_the_tree_reader_follows_nesting() -> None:
         "b/d/e.py",
         "f.py",
     }
+
+
+@pytest.mark.spec("HARN-21")
+def test_a_module_planted_out_of_the_tree_is_found() -> None:
+    """Dropping one module's line from the real tree makes the check name it."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    line = next(ln for ln in text.splitlines() if "learner_path.py" in ln)
+    named = tree_modules(text.replace(line + "\n", ""))
+    actual = {p.relative_to(ROOT).as_posix() for p in MODULES.values()}
+    assert actual - named == {"tools/learner_path.py"}

@@ -159,6 +159,11 @@ DEFECTS: dict[tuple[str, str], str] = {
     "small`)",
     ("huggingface", "CONF-28"): "the CONF-21/CONF-23 defect seen in a sequence: a location whose "
     "only save failed (at `finish`) is loadable",
+    ("huggingface", "CONF-58"): "the CONF-23 defect under a power loss: the directory the save "
+    "creates before writing any data reads back as an empty checkpoint",
+    ("huggingface", "CONF-60"): "nothing is fsynced before the save returns (neither the files nor "
+    "the directory), so after a power loss the index file written last "
+    "(`model.safetensors.index.json`) can be missing and the returned save does not load",
 }
 
 
