@@ -5,13 +5,13 @@ Two Gloo ranks save the storage benchmark's large (4 x 256 MiB) and medium
 disk, three ways, alternating run by run:
 
 * ``off``: ``DefaultSavePlanner(check_replicas=False)`` (torch's behaviour);
-* ``late``: the default: tensor digests computed on a worker while the rank
+* ``deferred``: the default: tensor digests computed on a worker while the rank
   writes, compared before the commit (DEDUP-17);
 * ``early``: the same digests in the local plans, compared in the global plan
   before anything is written (DEDUP-13 as torch's ``dcp.save`` drives it, and
   refdcp's default before DEDUP-17);
 * ``torch``: torch's own ``dcp.save`` (its planner and ``FileSystemWriter``, no
-  replica check), the same state in the same run: ``late / torch`` is refdcp's
+  replica check), the same state in the same run: ``deferred / torch`` is refdcp's
   default save time as a ratio to torch's.
 
 Two layouts: ``replicated`` (both ranks hold the same keys and values: dedup
@@ -19,7 +19,7 @@ splits the writing, every rank digests every tensor) and ``distinct`` (each
 rank its own keys: nothing is replicated, but the non-coordinator rank cannot
 know that and digests all it holds). A save's time is the slowest rank's
 (max over ranks, from a barrier to the save's return). Reported: medians per
-mode and the cost of ``late`` and ``early`` as % of ``off`` (ratio of medians,
+mode and the cost of ``deferred`` and ``early`` as % of ``off`` (ratio of medians,
 and the median of per-trial pairs). The order of the three modes rotates from
 trial to trial, so each runs first, second and third equally often (a trial's
 first save runs on memory the previous trial's last one freed). The two ranks share the 2 cores and the disk
@@ -47,7 +47,7 @@ WORKLOADS: dict[str, tuple[int, int]] = {  # name -> (count, bytes each)
     "medium 1,000 x 1 MiB": (1000, MiB),
 }
 LAYOUTS = ("replicated", "distinct")
-MODES = ("off", "late", "early", "torch")
+MODES = ("off", "deferred", "early", "torch")
 
 
 def _state(rank: int, count: int, nbytes: int, layout: str) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def _planner(mode: str) -> Any:
 
     if mode == "off":
         return DefaultSavePlanner(check_replicas=False)
-    return DefaultSavePlanner() if mode == "late" else EarlyDigests()
+    return DefaultSavePlanner() if mode == "deferred" else EarlyDigests()
 
 
 def _rank(rank: int, world: int, names: list[str], trials: int, base: str) -> list[Any]:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(base, ignore_errors=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     head = f"{'workload':22} {'layout':10} " + " ".join(f"{m + ' s':>8}" for m in MODES)
-    print(head + f" {'late %':>16} {'early %':>16} {'late/torch':>10}")
+    print(head + f" {'deferred %':>16} {'early %':>16} {'deferred/torch':>14}")
     for name in names:
         for layout in LAYOUTS:
             t: dict[str, dict[int, float]] = {m: {} for m in MODES}
@@ -170,13 +170,13 @@ def main(argv: list[str] | None = None) -> None:
             med = {m: statistics.median(t[m].values()) for m in MODES}
             cells = " ".join(f"{med[m]:8.3f}" for m in MODES)
             costs = []
-            for m in ("late", "early"):
+            for m in ("deferred", "early"):
                 pairs = statistics.median(t[m][i] / t["off"][i] - 1 for i in t["off"])
                 costs.append(f"{100 * (med[m] / med['off'] - 1):+6.1f} ({100 * pairs:+6.1f})")
-            vs_torch = med["late"] / med["torch"]
+            vs_torch = med["deferred"] / med["torch"]
             print(f"{name:22} {layout:10} {cells} {costs[0]:>16} {costs[1]:>16} {vs_torch:10.2f}")
     print("cost: ratio of medians - 1, in brackets the median of per-trial ratios - 1;")
-    print("late/torch: refdcp's default save time / torch's dcp.save (medians, lower is better)")
+    print("deferred/torch: refdcp's default save time / torch's dcp.save (medians, lower is better)")
 
 
 if __name__ == "__main__":

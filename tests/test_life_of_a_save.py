@@ -41,8 +41,8 @@ def test_every_field_is_explained_once(record: life.Record) -> None:
 def test_a_field_the_table_does_not_explain_stops_the_generator(
     record: life.Record, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delitem(life.FIELDS, "chunkless")
-    with pytest.raises(life.UnexplainedField, match="chunkless"):
+    monkeypatch.delitem(life.FIELDS, "without_chunks")
+    with pytest.raises(life.UnexplainedField, match="without_chunks"):
         life.render(record)
 
 

@@ -21,10 +21,10 @@ from refdcp.planning.flatten import _plain_rich, encode_structure, flatten_state
 from refdcp.planning.local_plan import (
     _FAST_RECORDS,
     _signature,
-    chunkless_tensors,
     plain_tensor_item,
     plan_digest,
     save_items,
+    tensors_without_chunks,
 )
 
 
@@ -112,9 +112,9 @@ def test_encode_structure_keeps_exactly_the_non_plain_paths(sd: dict[Any, Any]) 
 def test_chunkless_tensors_lists_only_unplanned_tensors() -> None:
     flat = flatten_state_dict({"a": torch.zeros(2), "b": torch.ones(3, dtype=torch.int8), "c": 1})
     items = save_items(flat.items)
-    assert chunkless_tensors(flat.items, items) == {}
+    assert tensors_without_chunks(flat.items, items) == {}
     only_a = [i for i in items if i.index.fqn == "a"]
-    assert chunkless_tensors(flat.items, only_a) == {
+    assert tensors_without_chunks(flat.items, only_a) == {
         "b": (TensorProperties(dtype=torch.int8), torch.Size([3]))
     }
 

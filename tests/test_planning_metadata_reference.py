@@ -62,7 +62,7 @@ def global_plans(draw: st.DrawFn) -> tuple[list[list[WriteItem]], dict[str, Any]
     world = draw(st.integers(1, 4))
     rng = random.Random(draw(st.integers(0, 10**6)))
     plans: list[list[WriteItem]] = [[] for _ in range(world)]
-    chunkless: dict[str, Any] = {}
+    without_chunks: dict[str, Any] = {}
     for t in range(draw(st.integers(0, 6))):
         fqn = f"t{t}"
         if rng.random() < 0.15:
@@ -73,7 +73,7 @@ def global_plans(draw: st.DrawFn) -> tuple[list[list[WriteItem]], dict[str, Any]
         ndim = rng.randint(0, 3)
         size = tuple(rng.randint(0, 5) for _ in range(ndim))
         if rng.random() < 0.1:
-            chunkless[fqn] = (TensorProperties(dtype=torch.float32), torch.Size(size))
+            without_chunks[fqn] = (TensorProperties(dtype=torch.float32), torch.Size(size))
             continue
         cuts = (
             sorted({0, *(rng.randint(0, size[0]) for _ in range(rng.randint(0, 3)))})
@@ -105,7 +105,7 @@ def global_plans(draw: st.DrawFn) -> tuple[list[list[WriteItem]], dict[str, Any]
             elif rng.random() < 0.05:
                 gsize = (*size, 1)  # or on global shape
             plans[rng.randrange(world)].append(_tensor(fqn, off, sz, gsize, dtype))
-    return plans, chunkless
+    return plans, without_chunks
 
 
 @pytest.mark.spec("META-6")
@@ -114,9 +114,9 @@ def global_plans(draw: st.DrawFn) -> tuple[list[list[WriteItem]], dict[str, Any]
 def test_vectorised_checks_find_what_the_reference_finds(
     case: tuple[list[list[WriteItem]], dict[str, Any]],
 ) -> None:
-    plans, chunkless = case
-    _, problems = build_state_dict_metadata(plans, chunkless)
-    assert {kind_of(p) for p in problems} == set(reference_metadata_problems(plans, chunkless))
+    plans, without_chunks = case
+    _, problems = build_state_dict_metadata(plans, without_chunks)
+    assert {kind_of(p) for p in problems} == set(reference_metadata_problems(plans, without_chunks))
 
 
 @pytest.mark.spec("META-7")

@@ -41,7 +41,7 @@ __all__ = [
     "ItemKey",
     "block_digests",
     "chunk_nbytes",
-    "chunkless_tensors",
+    "tensors_without_chunks",
     "item_key",
     "may_be_replicated",
     "object_write_items",
@@ -185,7 +185,7 @@ def _empty_shard(item: WriteItem) -> bool:
     return item.type == WriteItemType.SHARD and td is not None and 0 in td.chunk.sizes
 
 
-def chunkless_tensors(
+def tensors_without_chunks(
     flat: Mapping[str, Any], items: Iterable[WriteItem]
 ) -> dict[str, tuple[TensorProperties, torch.Size]]:
     """Sharded values for which this rank plans no chunk: their dtype and global shape (META-1)."""

@@ -37,13 +37,13 @@ from .dedup.deferred import (
 from .flatten import RESERVED_KEY, Flattened, encode_structure, flatten_state_dict
 from .loadable import refuse_unloadable
 from .local_plan import (
-    chunkless_tensors,
     item_key,
     may_be_replicated,
     plan_and_block_digests,
     replica_checksums,
     resolve_tensor_chunk,
     save_items,
+    tensors_without_chunks,
 )
 from .metadata.build import PlanValidationError, build_state_dict_metadata
 from .plan_cache import GlobalPlanCache, LocalPlanCache, PlanCacheError, structure_fingerprint
@@ -203,7 +203,7 @@ class DefaultSavePlanner(SavePlanner):
             "blocks": blocks,
             "deferred_digest": self._token if self.is_coordinator else None,
             "checksums": sums,
-            "chunkless": chunkless_tensors(self.flat.items, items),
+            "without_chunks": tensors_without_chunks(self.flat.items, items),
             # the coordinator digests only its items other ranks hold, in create_global_plan
             "deferred_token": self._token if deferred else None,
         }
@@ -289,11 +289,11 @@ class DefaultSavePlanner(SavePlanner):
             bytes_on_coordinator=self.bytes_on_coordinator,
             lowest_rank=self.dedup_save_to_lowest_rank,
         )
-        chunkless: dict[str, Any] = {}
+        without_chunks: dict[str, Any] = {}
         for e in reversed(refdcp_data):
-            chunkless.update(e.get("chunkless") or {})
-        md, problems = build_state_dict_metadata(result.plans, chunkless)
-        problems = result.problems + problems + _chunkless_disagreements(refdcp_data, md)
+            without_chunks.update(e.get("without_chunks") or {})
+        md, problems = build_state_dict_metadata(result.plans, without_chunks)
+        problems = result.problems + problems + _disagreements_without_chunks(refdcp_data, md)
         if RESERVED_KEY in md:
             problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
         if problems:
@@ -530,12 +530,14 @@ def _with_new_checksums(cached: SavePlan, marker: dict[str, Any]) -> SavePlan:
     return dataclasses.replace(cached, planner_data=data)
 
 
-def _chunkless_disagreements(refdcp_data: list[dict[str, Any]], md: dict[str, Any]) -> list[str]:
+def _disagreements_without_chunks(
+    refdcp_data: list[dict[str, Any]], md: dict[str, Any]
+) -> list[str]:
     """Ranks holding no chunk of a tensor still state its dtype and shape: check them (META-4)."""
     problems: list[str] = []
     claims: dict[str, dict[Any, list[str]]] = {}
     for rank, e in enumerate(refdcp_data):
-        for fqn, (props, size) in (e.get("chunkless") or {}).items():
+        for fqn, (props, size) in (e.get("without_chunks") or {}).items():
             by = claims.setdefault(fqn, {})
             by.setdefault((props.dtype, tuple(size)), []).append(f"rank {rank}")
     for fqn, by in claims.items():

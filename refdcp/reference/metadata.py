@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["build_metadata", "chunk_problems", "reference_metadata_problems"]
 
-Chunkless = Mapping[str, tuple[TensorProperties, torch.Size]]
+WithoutChunks = Mapping[str, tuple[TensorProperties, torch.Size]]
 
 
 def build_metadata(
-    plans: Sequence[Sequence[WriteItem]], chunkless: Chunkless | None = None
+    plans: Sequence[Sequence[WriteItem]], without_chunks: WithoutChunks | None = None
 ) -> tuple[dict[str, STORAGE_TYPES], list[str]]:
     """``state_dict_metadata`` of the final plans, and every problem, worded (META-1..5)."""
     md: dict[str, STORAGE_TYPES] = {}
@@ -42,7 +42,9 @@ def build_metadata(
                 md[fqn] = TensorStorageMetadata(td.properties, td.size, [td.chunk])
             else:
                 md[fqn].chunks.append(td.chunk)  # type: ignore[union-attr]
-    for fqn, (props, size) in (chunkless or {}).items():  # no rank wrote a chunk of it (PLAN-1)
+    for fqn, (props, size) in (
+        without_chunks or {}
+    ).items():  # no rank wrote a chunk of it (PLAN-1)
         md.setdefault(fqn, TensorStorageMetadata(props, size, []))
     words = {
         "bytes": "saved as bytes by several ranks, or as bytes and as a tensor",
@@ -51,7 +53,7 @@ def build_metadata(
         "overlap": "chunks overlap",
         "cover": "the chunks do not cover the whole tensor",
     }
-    problems = reference_metadata_problems(plans, chunkless)
+    problems = reference_metadata_problems(plans, without_chunks)
     return md, [f"{fqn!r}: {words[kind]} (ranks {_ranks(plans, fqn)})" for fqn, kind in problems]
 
 
@@ -60,7 +62,7 @@ def _ranks(plans: Sequence[Sequence[WriteItem]], fqn: str) -> list[int]:
 
 
 def reference_metadata_problems(
-    plans: Sequence[Sequence[WriteItem]], chunkless: Chunkless | None = None
+    plans: Sequence[Sequence[WriteItem]], without_chunks: WithoutChunks | None = None
 ) -> list[tuple[str, str]]:
     """``(fqn, kind)`` of every problem; kind is ``bytes``, ``disagree``, ``outside``,
     ``overlap`` or ``cover`` (META-2..4, META-7)."""
@@ -84,7 +86,7 @@ def reference_metadata_problems(
             continue
         chunks = [(tuple(td.chunk.offsets), tuple(td.chunk.sizes)) for td in tds]
         problems += [(fqn, kind) for kind in chunk_problems(tuple(tds[0].size), chunks)]
-    for fqn, (_, size) in (chunkless or {}).items():  # a tensor no rank wrote a chunk of
+    for fqn, (_, size) in (without_chunks or {}).items():  # a tensor no rank wrote a chunk of
         if fqn not in tensors and fqn not in objects:
             problems += [(fqn, kind) for kind in chunk_problems(tuple(size), [])]
     return problems

@@ -78,7 +78,7 @@ class ReferenceSavePlanner(SavePlanner):
         items = [i for fqn, value in self.values.items() for i in write_items(fqn, value)]
         planned = {i.index.fqn for i in items}
         record: dict[str, Any] = encode_structure(self.flat)
-        record["chunkless"] = {  # sharded tensors this rank holds no chunk of (PLAN-1, META-1)
+        record["without_chunks"] = {  # sharded tensors this rank holds no chunk of (PLAN-1, META-1)
             fqn: (TensorProperties(dtype=v.dtype), torch.Size(v.size()))
             for fqn, v in self.values.items()
             if fqn not in planned and _is_tensor(v) and _holds_rank(v)
@@ -100,10 +100,10 @@ class ReferenceSavePlanner(SavePlanner):
             bytes_on_coordinator=self.bytes_on_coordinator,
             lowest_rank=self.lowest_rank,
         )
-        chunkless: dict[str, Any] = {}
+        without_chunks: dict[str, Any] = {}
         for r in reversed(records):
-            chunkless.update(r["chunkless"])
-        md, meta_problems = build_metadata(kept, chunkless)
+            without_chunks.update(r["without_chunks"])
+        md, meta_problems = build_metadata(kept, without_chunks)
         if RESERVED_KEY in md:
             problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
         if problems or meta_problems:

@@ -68,7 +68,7 @@ FIELDS: dict[str, str] = {
     "compared across replicas in the global plan (DEDUP-6, DEDUP-13); tensors are "
     "absent under refdcp's driver, which compares their value digests after the "
     "writes (DEDUP-17); `None` when nothing is checked here.",
-    "chunkless": "sharded values for which this rank plans no chunk, with their dtype "
+    "without_chunks": "sharded values for which this rank plans no chunk, with their dtype "
     "and global shape, so the metadata still describes them (META-1).",
     "deferred_token": "on the coordinator's plan only, its planner's token: 'my "
     "replica checksums come later' (it digests only its items that other ranks hold, "
@@ -248,7 +248,7 @@ def _value(name: str, v: Any) -> str:
         if not v:
             return "`{}`"
         return ", ".join(f"`{k[0]}` {list(k[1] or ())} -> 0x{s:08x}" for k, s in sorted(v.items()))
-    if name == "chunkless" and v:
+    if name == "without_chunks" and v:
         return ", ".join(f"`{k}`" for k in sorted(v))
     return f"`{v!r}`"
 

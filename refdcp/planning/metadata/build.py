@@ -32,7 +32,7 @@ __all__ = ["PlanValidationError", "build_state_dict_metadata", "find_overlaps"]
 
 def build_state_dict_metadata(
     plans: Sequence[Sequence[WriteItem]],
-    chunkless: Mapping[str, tuple[TensorProperties, torch.Size]] | None = None,
+    without_chunks: Mapping[str, tuple[TensorProperties, torch.Size]] | None = None,
 ) -> tuple[dict[str, STORAGE_TYPES], list[str]]:
     """``state_dict_metadata`` of the final plans, and every problem found (META-1..5).
 
@@ -73,7 +73,7 @@ def build_state_dict_metadata(
     md.update(grouped.entries())  # equal values shared: pickled once (META-8)
     extra = [
         (fqn, TensorStorageMetadata(properties=props, size=size, chunks=[]))
-        for fqn, (props, size) in (chunkless or {}).items()
+        for fqn, (props, size) in (without_chunks or {}).items()
         if fqn not in md
     ]
     md.update(extra)
@@ -237,7 +237,7 @@ def _ranks_of(plans: Sequence[Sequence[WriteItem]], fqn: str, *, tensor: bool) -
 
 
 def _vector_screen(
-    items: _Items, skip: set[str], chunkless: Sequence[tuple[str, TensorStorageMetadata]]
+    items: _Items, skip: set[str], without_chunks: Sequence[tuple[str, TensorStorageMetadata]]
 ) -> tuple[list[str], list[str]]:
     """(FQNs whose ranks disagree on dtype or global shape, FQNs that may break META-2/3).
 
@@ -260,15 +260,15 @@ def _vector_screen(
         skipped = np.zeros(nf, dtype=bool)
     bad_f = _screen_chunks(items, table, ndim_f, ~(mixed_f | skipped))
     # a tensor no rank wrote a chunk of is fine only if it has no elements (and is not 0-d)
-    extra_ndim = [len(e.size) for _, e in chunkless]
-    extra_bad = [not e.size or math.prod(e.size) != 0 for _, e in chunkless]
+    extra_ndim = [len(e.size) for _, e in without_chunks]
+    extra_bad = [not e.size or math.prod(e.size) != 0 for _, e in without_chunks]
     ndims = np.concatenate([ndim_f, np.array(extra_ndim, dtype=np.intp)])
-    names = [*items.fqns, *(f for f, _ in chunkless)]
-    mixed_all = np.concatenate([mixed_f, np.zeros(len(chunkless), dtype=bool)])
+    names = [*items.fqns, *(f for f, _ in without_chunks)]
+    mixed_all = np.concatenate([mixed_f, np.zeros(len(without_chunks), dtype=bool)])
     bad_all = np.concatenate([bad_f, np.array(extra_bad, dtype=bool)])
     mixed: list[str] = []
     suspects: list[str] = []
-    shown = ~np.concatenate([skipped, np.zeros(len(chunkless), dtype=bool)])
+    shown = ~np.concatenate([skipped, np.zeros(len(without_chunks), dtype=bool)])
     for d in dict.fromkeys(ndims[shown].tolist()):
         here = ndims == d
         mixed.extend(names[i] for i in np.flatnonzero(here & mixed_all).tolist())
