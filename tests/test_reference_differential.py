@@ -202,3 +202,60 @@ def test_a_single_rank_save_needs_no_world() -> None:
         sd = state_for(model, 1, 0, zeros=True)
         refdcp.reference.load(sd, checkpoint_id=path, comm=SingleRank())
         check_loaded(model, 1, 0, sd)
+
+
+# -- planted bugs: each side's own mistake is caught (REF-3, REF-6) ---------------------------
+
+_UNEVEN = [
+    Entry("rows", torch.float32, 8, 3, 0),  # each rank's own bytes: unequal loads
+    Entry("replicated", torch.float32, 4, 2, 1),
+    Entry("replicated", torch.float64, 3, 3, 2),
+    Entry("replicated", torch.int64, 2, 2, 3),
+]
+
+
+@pytest.mark.spec("REF-3", "DEDUP-2")
+def test_a_most_loaded_holder_rule_planted_in_the_reference_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from refdcp.reference import dedup
+
+    def most_loaded(item: Any, ranks: list[int], loads: list[int], *_: Any) -> tuple[int, str]:
+        return max(ranks, key=lambda r: (loads[r], -r)), "planted: most loaded"
+
+    with tempfile.TemporaryDirectory() as fast, tempfile.TemporaryDirectory() as ref:
+        _save("fast", _UNEVEN, 3, fast)
+        _save("reference", _UNEVEN, 3, ref)
+        a = refdcp.FileSystemReader(fast).read_metadata()
+        assert _writers(a) == _writers(refdcp.reference.ReferenceReader(ref).read_metadata())
+    monkeypatch.setattr(dedup, "_choose_writer", most_loaded)
+    with tempfile.TemporaryDirectory() as ref:
+        _save("reference", _UNEVEN, 3, ref)
+        b = refdcp.reference.ReferenceReader(ref).read_metadata()
+        assert _writers(a) != _writers(b)  # the differential test's comparison sees it
+
+
+@pytest.mark.spec("REF-6", "RESHARD-4")
+def test_a_shifted_row_planted_in_the_fast_resharding_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from refdcp.planning import resharding
+
+    real = resharding._read
+
+    def shifted(
+        fqn: str, toff: Any, ti: int, soff: Any, si: int, dest: Any, stor: Any, n: Any
+    ) -> Any:
+        if stor and stor[0] > 0:
+            stor = [stor[0] + 1, *stor[1:]]
+        return real(fqn, toff, ti, soff, si, dest, stor, n)
+
+    model = [Entry("rows", torch.float32, 9, 2, 0)]
+    monkeypatch.setattr(resharding, "_read", shifted)
+    with tempfile.TemporaryDirectory() as path:
+        _save("fast", model, 2, path)
+        for rank, sd in enumerate(_load("reference", model, 3, path)):  # the rule is untouched
+            check_loaded(model, 3, rank, sd)
+        with pytest.raises((AssertionError, refdcp.CheckpointError)):
+            for rank, sd in enumerate(_load("fast", model, 3, path)):
+                check_loaded(model, 3, rank, sd)
