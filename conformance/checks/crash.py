@@ -97,6 +97,7 @@ def child_save(
     status = None
     while status is None:
         done, st = os.waitpid(pid, os.WNOHANG)
+        tick()  # a child within its own limit is progress; ``limit`` is what catches a hang
         if done:
             status = st
         elif time.monotonic() > deadline:
