@@ -115,7 +115,9 @@ def _load(path: Path, mode: str, world: int, rows: int, seed: int, how: str) -> 
         bad = [] if torch.equal(bits(sd.pop("rep")), bits(full["rep"])) else ["rep"]
         for k, got in sd.items():
             want = _sharded(full[k], world, comm.rank, True)
-            if not all(torch.equal(bits(a[1]), bits(b[1])) for a, b in zip(want.chunks, got.chunks)):
+            if not all(
+                torch.equal(bits(a[1]), bits(b[1])) for a, b in zip(want.chunks, got.chunks)
+            ):
                 bad.append(k)
         return bad
 

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from refdcp.storage.errors import UnsafePathError
-from refdcp.storage.format.layout import MAX_NAME_BYTES, check_data_name
+from refdcp.storage.format.layout import MAX_NAME_BYTES, METADATA_NAME, check_data_name
 
 __all__ = [
     "MAX_NAME_BYTES",
@@ -110,4 +110,4 @@ def holds_safetensors_only(path: str | os.PathLike[str]) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
-    return ".metadata" not in names and any(n.endswith(".safetensors") for n in names)
+    return METADATA_NAME not in names and any(n.endswith(".safetensors") for n in names)
