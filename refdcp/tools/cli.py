@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds per check before it fails (CONF-51)",
     )
+    conf.add_argument(
+        "--profile",
+        choices=["full", "safetensors"],
+        default=None,
+        help="lay a storage format's profile over the backend's capabilities (CONF-61)",
+    )
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")
 
@@ -194,6 +200,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             examples=args.examples,
             timeout=args.timeout,
             exit_when_abandoned=True,
+            profile=args.profile,
         )
         return code
     if args.command == "convert":
