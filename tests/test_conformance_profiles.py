@@ -112,3 +112,25 @@ def test_a_backend_storing_none_of_the_dtypes_gets_na() -> None:
     )
     (result,) = run_checks(backend, only=["CONF-10"])
     assert result.status == "n/a" and "none of the dtypes" in result.reason
+
+
+@pytest.mark.spec("CONF-61")
+def test_both_command_lines_offer_every_profile() -> None:
+    import argparse
+
+    from conformance.cli import add_arguments
+    from refdcp.tools.cli import _parser
+
+    args = _parser().parse_args(["conformance", "m:b", "--profile", "safetensors"])
+    assert args.profile == "safetensors"
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    seen = 0
+    for action in [
+        *p._actions,
+        *_parser()._subparsers._group_actions[0].choices["conformance"]._actions,
+    ]:  # type: ignore[union-attr]
+        if "--profile" in action.option_strings:
+            assert sorted(action.choices or ()) == sorted(PROFILES)
+            seen += 1
+    assert seen == 2

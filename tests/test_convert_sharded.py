@@ -163,6 +163,9 @@ def test_index_destination_names_the_shards_and_cli_size(tmp_path: Path, capsys:
     names = sorted(p.name for p in dst.parent.iterdir())
     assert names == [f"ckpt-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [dst.name]
     assert same(_read_with_package(dst), state)
+    theirs = {k: torch.zeros_like(v) for k, v in state.items()}  # torch's whole load path
+    tdcp.load(theirs, storage_reader=hf.HuggingFaceStorageReader(str(dst.parent)), no_dist=True)
+    assert same(theirs, state)
     with pytest.raises(SystemExit):
         cli_main(["convert", str(dst), str(tmp_path / "x"), "--max-shard-size", "lots"])
     # overwriting with fewer shards removes the shards the old index named
