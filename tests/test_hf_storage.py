@@ -9,8 +9,8 @@ records the offsets of its shards) and that plus ``enable_consolidation=True``
 The tests cross mode x world size of the save (1-4, driven by ``refdcp.save``
 with torch's writer, and by torch's own ``dcp.save``) x world size of the load
 (1-4, so most loads reshard) x rows x dtypes, and load with ``refdcp.load``
-through torch's ``HuggingFaceStorageReader`` (as ``storage_reader=`` and chosen
-from ``checkpoint_id``), comparing bits with the values saved and with what
+through torch's ``HuggingFaceStorageReader`` (as ``storage_reader=``, chosen
+from ``checkpoint_id``, and under the reference path's ``load``), comparing bits with the values saved and with what
 torch's own ``dcp.load`` gives.
 
 What the modes cannot hold, found here and left to torch (each case is a test
@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import refdcp
+import refdcp.reference
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 from refdcp.storage.select import select_reader
@@ -110,6 +111,9 @@ def _load(path: Path, mode: str, world: int, rows: int, seed: int, how: str) -> 
         sd["rep"] = torch.zeros_like(full["rep"])
         if how == "reader":
             refdcp.load(sd, storage_reader=hf.HuggingFaceStorageReader(str(path)), comm=comm)
+        elif how == "reference":  # the readable reference path (REF-1)
+            reader = hf.HuggingFaceStorageReader(str(path))
+            refdcp.reference.load(sd, storage_reader=reader, comm=comm)
         else:
             refdcp.load(sd, checkpoint_id=str(path), comm=comm)
         bad = [] if torch.equal(bits(sd.pop("rep")), bits(full["rep"])) else ["rep"]
@@ -134,7 +138,7 @@ def _load(path: Path, mode: str, world: int, rows: int, seed: int, how: str) -> 
     w_load=st.integers(1, 4),
     rows=st.integers(1, 9),
     seed=st.integers(1, 1000),
-    how=st.sampled_from(["reader", "checkpoint_id"]),
+    how=st.sampled_from(["reader", "checkpoint_id", "reference"]),
 )
 def test_hf_checkpoints_load_resharded_bit_exact(
     tmp_path_factory: pytest.TempPathFactory,
