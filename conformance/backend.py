@@ -34,10 +34,10 @@ class Capabilities:
     * ``bytes_items``: the backend stores bytes items (``BytesIO``, pickled
       objects) besides tensors (CONF-13). Only CONF-13 saves them (CONF-52).
     * ``dtypes``: the names (``"float32"``, ...) of the dtypes the backend stores;
-      ``None``, every dtype. CONF-10 saves only these and names the others (CONF-61).
+      ``None``, every dtype. CONF-10 saves only these and names the others (CONF-69).
     * ``why``: ``(capability, reason)`` pairs saying why a capability is not
       declared or a dtype is left out; a not-applicable result quotes the reason
-      (CONF-61). A profile (``conformance/profiles.py``) fills it in.
+      (CONF-69). A profile (``conformance/profiles.py``) fills it in.
     """
 
     overwrite: bool = True

@@ -167,7 +167,7 @@ def torch_fsspec_memory() -> TorchFsspec:
 @dataclass
 class TorchHuggingFace:
     """torch's ``HuggingFaceStorageWriter(save_distributed=True)``/``HuggingFaceStorageReader``
-    on a local directory, under the safetensors profile (CONF-61): every rank writes its
+    on a local directory, under the safetensors profile (CONF-69): every rank writes its
     own ``shard-NNNNN-...safetensors`` file, so ranks share a location."""
 
     name: str = "torch HuggingFaceStorageWriter(save_distributed=True)/HuggingFaceStorageReader"

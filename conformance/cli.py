@@ -107,7 +107,7 @@ def add_arguments(p: Any) -> None:
         "--profile",
         choices=["full", "safetensors"],
         default=None,
-        help="lay a format's profile over the backend's capabilities (CONF-61)",
+        help="lay a format's profile over the backend's capabilities (CONF-69)",
     )
 
 

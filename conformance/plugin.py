@@ -39,7 +39,7 @@ def conformance_tests(
     """A pytest test function parametrized over every check's requirement ID.
 
     A check still running after ``timeout`` seconds fails as timed out (CONF-51);
-    ``profile`` lays a format's profile over the backend's capabilities (CONF-61).
+    ``profile`` lays a format's profile over the backend's capabilities (CONF-69).
     """
 
     def make() -> Backend:

@@ -1,4 +1,4 @@
-"""Profiles: the capabilities a storage format allows, with the reasons (CONF-61).
+"""Profiles: the capabilities a storage format allows, with the reasons (CONF-69).
 
 A backend built on a format that cannot hold everything DCP saves declares the
 format's profile, so the checks the format rules out report not applicable with

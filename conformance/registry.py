@@ -73,7 +73,7 @@ class Context:
     root: Path
     examples: int = 10
     _n: int = 0
-    notes: list[str] = field(default_factory=list)  # shown as a passing check's reason (CONF-61)
+    notes: list[str] = field(default_factory=list)  # shown as a passing check's reason (CONF-69)
 
     def location(self) -> Any:
         """A fresh checkpoint location of the backend."""

@@ -76,7 +76,7 @@ def run_checks(
     """Run every check (or those whose ID is in ``only``) in spec order; never raises.
 
     ``profile`` (a name in ``conformance.profiles.PROFILES``) lays that profile over the
-    backend's declared capabilities (CONF-61).
+    backend's declared capabilities (CONF-69).
 
     Each check runs in its own daemon thread and is abandoned once the backend made no
     progress for ``timeout`` seconds (CONF-51); whatever backend code raises is that check's result (CONF-50).

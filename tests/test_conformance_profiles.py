@@ -1,4 +1,4 @@
-"""Conformance profiles: what a storage format rules out, with the reasons (CONF-61)."""
+"""Conformance profiles: what a storage format rules out, with the reasons (CONF-69)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ FLAGS = [f.name for f in dataclasses.fields(Capabilities) if f.type in ("bool", 
 NAMES = [str(d).replace("torch.", "") for d in DTYPES]
 
 
-@pytest.mark.spec("CONF-61")
+@pytest.mark.spec("CONF-69")
 def test_safetensors_profile_rules_out_bytes_and_unnamed_dtypes_only() -> None:
     assert set(SAFETENSORS.dtypes or ()) == {
         str(d).replace("torch.", "") for d in SAFETENSORS_DTYPES
@@ -36,7 +36,7 @@ def test_safetensors_profile_rules_out_bytes_and_unnamed_dtypes_only() -> None:
     assert PROFILES["full"] == Capabilities()
 
 
-@pytest.mark.spec("CONF-61")
+@pytest.mark.spec("CONF-69")
 @given(
     own=st.fixed_dictionaries({f: st.booleans() for f in FLAGS}),
     own_dtypes=st.none() | st.lists(st.sampled_from(NAMES), unique=True).map(tuple),
@@ -62,7 +62,7 @@ def test_overlay_drops_only_what_the_profile_gives_a_reason_for(
         assert set(got.dtypes or ()) == set(own_dtypes) & set(prof_dtypes)
 
 
-@pytest.mark.spec("CONF-61")
+@pytest.mark.spec("CONF-69")
 def test_torch_hf_under_the_profile_runs_every_check_but_the_ruled_out_ones() -> None:
     """Only CONF-13 turns n/a by the profile (with its reason); CONF-10 runs the dtypes
     safetensors names and says which it left out; the other n/a results are the ones the
@@ -81,7 +81,7 @@ def test_torch_hf_under_the_profile_runs_every_check_but_the_ruled_out_ones() ->
     assert na - {"CONF-13"} == {i for i, r in without.items() if r.status == "n/a"}
 
 
-@pytest.mark.spec("CONF-61")
+@pytest.mark.spec("CONF-69")
 def test_profile_option_lays_the_profile_over_a_full_backend(tmp_path: Path) -> None:
     out = io.StringIO()
     report = tmp_path / "r.json"
@@ -105,7 +105,7 @@ def test_profile_option_lays_the_profile_over_a_full_backend(tmp_path: Path) -> 
         run_checks(RefdcpFileSystem(), only=["CONF-10"], profile="nosuch")
 
 
-@pytest.mark.spec("CONF-61")
+@pytest.mark.spec("CONF-69")
 def test_a_backend_storing_none_of_the_dtypes_gets_na() -> None:
     backend = dataclasses.replace(
         RefdcpFileSystem(), capabilities=Capabilities(dtypes=(), why=(("dtypes", "x"),))
@@ -114,7 +114,7 @@ def test_a_backend_storing_none_of_the_dtypes_gets_na() -> None:
     assert result.status == "n/a" and "none of the dtypes" in result.reason
 
 
-@pytest.mark.spec("CONF-61")
+@pytest.mark.spec("CONF-69")
 def test_both_command_lines_offer_every_profile() -> None:
     import argparse
 

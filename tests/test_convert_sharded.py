@@ -1,4 +1,4 @@
-"""``refdcp convert`` to and from sharded safetensors with an index (TOOL-30).
+"""``refdcp convert`` to and from sharded safetensors with an index (TOOL-32).
 
 Oracles: the ``safetensors`` package reads every shard the index names, and torch's
 ``HuggingFaceStorageReader`` (through ``refdcp.load`` and torch's ``dcp.load``) loads
@@ -63,7 +63,7 @@ def _read_with_package(index: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.spec("TOOL-30")
+@pytest.mark.spec("TOOL-32")
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -117,7 +117,7 @@ def test_dcp_to_sharded_and_back_bit_exact(
         assert same(back, state)
 
 
-@pytest.mark.spec("TOOL-30")
+@pytest.mark.spec("TOOL-32")
 @pytest.mark.parametrize("world", [1, 3])
 def test_reads_what_torchs_hf_writer_writes(tmp_path: Path, world: int) -> None:
     """torch's consolidated sharded output (float dtypes: torch consolidates no others)
@@ -150,7 +150,7 @@ def test_reads_what_torchs_hf_writer_writes(tmp_path: Path, world: int) -> None:
     assert same(torch.load(tmp_path / "m.pt", weights_only=True), full)
 
 
-@pytest.mark.spec("TOOL-30")
+@pytest.mark.spec("TOOL-32")
 def test_index_destination_names_the_shards_and_cli_size(tmp_path: Path, capsys: Any) -> None:
     state = {f"w{i}": _random((50, 3), torch.float32, i) for i in range(3)}  # 600 B each
     safetensors_torch.save_file(state, tmp_path / "one.safetensors")
@@ -176,7 +176,7 @@ def test_index_destination_names_the_shards_and_cli_size(tmp_path: Path, capsys:
     ]
 
 
-@pytest.mark.spec("TOOL-30", "TOOL-21")
+@pytest.mark.spec("TOOL-32", "TOOL-21")
 def test_refusals_leave_no_index_and_no_shard(tmp_path: Path) -> None:
     state: dict[str, Any] = {"a": torch.ones(3), "c": torch.ones(2, dtype=torch.complex128)}
     refdcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
@@ -195,7 +195,7 @@ def _sharded_source(tmp_path: Path) -> Path:
     return tmp_path / "s" / f"model{INDEX_SUFFIX}"
 
 
-@pytest.mark.spec("TOOL-30")
+@pytest.mark.spec("TOOL-32")
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -221,7 +221,7 @@ def test_an_index_that_disagrees_with_its_files_is_refused(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.spec("TOOL-30")
+@pytest.mark.spec("TOOL-32")
 def test_a_directory_with_two_indexes_must_name_one(tmp_path: Path) -> None:
     index = _sharded_source(tmp_path)
     (index.parent / f"other{INDEX_SUFFIX}").write_text(index.read_text())

@@ -26,7 +26,7 @@ def every_dtype(ctx: Context) -> None:
     caps = ctx.backend.capabilities
     for dt in DTYPES:
         name = str(dt).replace("torch.", "")
-        if caps.dtypes is not None and name not in caps.dtypes:  # a profile's limit (CONF-61)
+        if caps.dtypes is not None and name not in caps.dtypes:  # a profile's limit (CONF-69)
             why = caps.reason("dtypes")
             ctx.notes.append(f"{name} not saved: not among the backend's dtypes ({why})")
             continue

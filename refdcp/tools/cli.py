@@ -36,7 +36,7 @@ _UNITS["GIB"] = 1 << 30
 
 
 def _byte_size(text: str) -> int:
-    """An argparse ``type``: a positive size, ``123``, ``500MB`` or ``2GiB`` (TOOL-30)."""
+    """An argparse ``type``: a positive size, ``123``, ``500MB`` or ``2GiB`` (TOOL-32)."""
     number = text.strip().rstrip("BbIiKkMmGg")
     unit = text.strip()[len(number) :].upper()
     try:
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         choices=["full", "safetensors"],
         default=None,
-        help="lay a storage format's profile over the backend's capabilities (CONF-61)",
+        help="lay a storage format's profile over the backend's capabilities (CONF-69)",
     )
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")

@@ -1,4 +1,4 @@
-"""``refdcp convert SRC DST``: DCP <-> torch.save <-> safetensors, streaming (TOOL-18..22, TOOL-30).
+"""``refdcp convert SRC DST``: DCP <-> torch.save <-> safetensors, streaming (TOOL-18..22, TOOL-32).
 
 One tensor is in memory at a time: every source is read tensor by tensor
 (DCP chunks and safetensors data with ``preadv`` straight into the
@@ -11,7 +11,7 @@ every dtype survives bit for bit. What a format cannot hold (a non-tensor
 value in safetensors, a dtype safetensors has no name for) is refused before
 anything is written.
 
-Sharded safetensors (``safetensors-index``, TOOL-30) is the Hugging Face layout: files
+Sharded safetensors (``safetensors-index``, TOOL-32) is the Hugging Face layout: files
 ``{stem}-00001-of-0000N.safetensors`` beside ``{stem}.safetensors.index.json``, whose
 ``weight_map`` names the file of every tensor; torch's ``HuggingFaceStorageWriter``
 writes it, and its ``HuggingFaceStorageReader`` reads what this module writes.
@@ -87,7 +87,7 @@ __all__ = [
 ]
 
 FORMATS = ("dcp", "torch", "safetensors", "safetensors-index")
-#: The name that ends a sharded safetensors checkpoint's index (TOOL-30).
+#: The name that ends a sharded safetensors checkpoint's index (TOOL-32).
 INDEX_SUFFIX = ".safetensors.index.json"
 #: Largest shard written to sharded safetensors unless told otherwise (Hugging Face's 5GB).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -140,7 +140,7 @@ class ConvertReport:
     largest_tensor_bytes: int = 0
     dropped: list[str] = field(default_factory=list)
     checksums_verified: int = 0
-    shards: int = 0  # files written to sharded safetensors (TOOL-30)
+    shards: int = 0  # files written to sharded safetensors (TOOL-32)
     index: str = ""
 
 
@@ -155,7 +155,7 @@ def detect_format(path: str | os.PathLike[str], *, existing: bool) -> str:
     """The format a path names (TOOL-18).
 
     A name ending ``.safetensors.index.json``, or an existing directory holding
-    such a file and no ``.metadata``, is sharded safetensors (TOOL-30); another
+    such a file and no ``.metadata``, is sharded safetensors (TOOL-32); another
     existing directory is DCP; otherwise the extension decides
     (``.safetensors``; ``.pt``/``.pth``/``.bin``/``.ckpt`` for torch.save); a
     destination without a known extension is a DCP directory. An existing
@@ -674,7 +674,7 @@ def _index_files(directory: Path) -> list[Path]:
 
 
 class _IndexSource(_Source):
-    """Sharded safetensors: the index's ``weight_map`` and the files it names (TOOL-30).
+    """Sharded safetensors: the index's ``weight_map`` and the files it names (TOOL-32).
 
     Every file named must be a plain name in the index's directory, and the index and
     the files' headers must agree key for key: a key the index names that its file
@@ -946,7 +946,7 @@ def _write_safetensors(
 
 def shard_groups(src: _Source, keys: list[str], max_shard_bytes: int) -> list[list[str]]:
     """``keys`` in order, cut into shards of at most ``max_shard_bytes`` of tensor data;
-    a tensor larger than that is a shard of its own (TOOL-30)."""
+    a tensor larger than that is a shard of its own (TOOL-32)."""
     groups: list[list[str]] = []
     size = 0
     for key in keys:
@@ -975,7 +975,7 @@ def _write_safetensors_index(
     max_shard_bytes: int,
 ) -> None:
     """Each shard under a temporary name, then the shards renamed into place and the index
-    written last: a failure removes what it wrote and leaves no index (TOOL-30)."""
+    written last: a failure removes what it wrote and leaves no index (TOOL-32)."""
     index_path, stem = _index_target(dst)
     folder = index_path.parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -1108,7 +1108,7 @@ def convert(
     dtypes safetensors cannot name. File destinations are written under a
     temporary name and renamed into place, so a failed conversion leaves no
     partial file; a DCP destination is committed only by its ``.metadata``, sharded
-    safetensors (shards of at most ``max_shard_bytes``) by its index (TOOL-30).
+    safetensors (shards of at most ``max_shard_bytes``) by its index (TOOL-32).
     """
     src_p, dst_p = Path(src), Path(dst)
     sfmt = src_format or detect_format(src_p, existing=True)
