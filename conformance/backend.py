@@ -33,6 +33,11 @@ class Capabilities:
       every check then drives one rank per location (CONF-55).
     * ``bytes_items``: the backend stores bytes items (``BytesIO``, pickled
       objects) besides tensors (CONF-13). Only CONF-13 saves them (CONF-52).
+    * ``dtypes``: the names (``"float32"``, ...) of the dtypes the backend stores;
+      ``None``, every dtype. CONF-10 saves only these and names the others (CONF-69).
+    * ``why``: ``(capability, reason)`` pairs saying why a capability is not
+      declared or a dtype is left out; a not-applicable result quotes the reason
+      (CONF-69). A profile (``conformance/profiles.py``) fills it in.
     """
 
     overwrite: bool = True
@@ -41,6 +46,12 @@ class Capabilities:
     thread_count: bool = False
     shared_location: bool = True
     bytes_items: bool = True
+    dtypes: tuple[str, ...] | None = None
+    why: tuple[tuple[str, str], ...] = ()
+
+    def reason(self, capability: str) -> str:
+        """Why ``capability`` is not declared, or ``""`` when no reason was given."""
+        return dict(self.why).get(capability, "")
 
 
 @runtime_checkable

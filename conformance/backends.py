@@ -5,6 +5,7 @@ Use them as targets: ``refdcp conformance conformance.backends:refdcp_fs``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
 from dataclasses import dataclass, field
@@ -16,18 +17,21 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter as TorchFSW
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from conformance.backend import Capabilities
+from conformance.profiles import SAFETENSORS
 
 __all__ = [
     "RefdcpFileSystem",
     "RefdcpMemory",
     "TorchFileSystem",
     "TorchFsspec",
+    "TorchHuggingFace",
     "refdcp_fs",
     "refdcp_memory",
     "torch_fs",
     "torch_fs_synced",
     "torch_fsspec_file",
     "torch_fsspec_memory",
+    "torch_hf",
 ]
 
 
@@ -158,3 +162,32 @@ def torch_fsspec_file() -> TorchFsspec:
 
 def torch_fsspec_memory() -> TorchFsspec:
     return TorchFsspec("memory")
+
+
+@dataclass
+class TorchHuggingFace:
+    """torch's ``HuggingFaceStorageWriter(save_distributed=True)``/``HuggingFaceStorageReader``
+    on a local directory, under the safetensors profile (CONF-69): every rank writes its
+    own ``shard-NNNNN-...safetensors`` file, so ranks share a location."""
+
+    name: str = "torch HuggingFaceStorageWriter(save_distributed=True)/HuggingFaceStorageReader"
+    capabilities: Capabilities = field(
+        default_factory=lambda: dataclasses.replace(SAFETENSORS, thread_count=True)
+    )
+
+    def new_location(self, scratch: Path) -> Any:
+        return str(scratch / "ckpt")
+
+    def writer(self, location: Any, *, rank: int, thread_count: int = 1) -> StorageWriter:
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+        return HuggingFaceStorageWriter(location, save_distributed=True, thread_count=thread_count)
+
+    def reader(self, location: Any) -> StorageReader:
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+        return HuggingFaceStorageReader(location)
+
+
+def torch_hf() -> TorchHuggingFace:
+    return TorchHuggingFace()

@@ -42,6 +42,7 @@ def conformance_command(
     timeout: float = DEFAULT_TIMEOUT,
     exit_when_abandoned: bool = False,
     only: Sequence[str] | None = None,
+    profile: str | None = None,
 ) -> int:
     """Run every check; print a table (markdown with ``markdown=True``).
 
@@ -57,6 +58,10 @@ def conformance_command(
             f"refdcp conformance: cannot load {target!r}: {type(exc).__name__}: {exc}\n"
         )
         return 2
+    if profile is not None:
+        from conformance.profiles import Profiled
+
+        backend = Profiled(backend, profile)
     results = run_checks(backend, examples=examples, timeout=timeout, only=only)
     if json_path is not None:  # first: the report exists whatever happens next (CONF-50)
         Path(json_path).write_text(dumps(backend.name, results), encoding="utf-8")
@@ -98,6 +103,12 @@ def add_arguments(p: Any) -> None:
         help=f"seconds a check may run before it fails as timed out (default {DEFAULT_TIMEOUT:g})",
     )
     p.add_argument("--only", default=None, help="comma-separated requirement IDs to check")
+    p.add_argument(
+        "--profile",
+        choices=["full", "safetensors"],
+        default=None,
+        help="lay a format's profile over the backend's capabilities (CONF-69)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=a.timeout,
         exit_when_abandoned=True,
         only=a.only.split(",") if a.only else None,
+        profile=a.profile,
     )
 
 

@@ -24,6 +24,7 @@ TARGETS = {
     "torch_fs_synced": "conformance.backends:torch_fs_synced",
     "torch_fsspec_file": "conformance.backends:torch_fsspec_file",
     "torch_fsspec_memory": "conformance.backends:torch_fsspec_memory",
+    "torch_hf": "conformance.backends:torch_hf",
     "example_dict": "conformance.examples.dict_backend:backend",
 }
 

@@ -34,10 +34,12 @@ def conformance_tests(
     *,
     examples: int = 10,
     timeout: float = DEFAULT_TIMEOUT,
+    profile: str | None = None,
 ) -> Callable[[str], None]:
     """A pytest test function parametrized over every check's requirement ID.
 
-    A check still running after ``timeout`` seconds fails as timed out (CONF-51).
+    A check still running after ``timeout`` seconds fails as timed out (CONF-51);
+    ``profile`` lays a format's profile over the backend's capabilities (CONF-69).
     """
 
     def make() -> Backend:
@@ -51,7 +53,9 @@ def conformance_tests(
 
     @pytest.mark.parametrize("check_id", ids, ids=ids)
     def test_conformance(check_id: str) -> None:
-        (result,) = run_checks(make(), only={check_id}, examples=examples, timeout=timeout)
+        (result,) = run_checks(
+            make(), only={check_id}, examples=examples, timeout=timeout, profile=profile
+        )
         if result.status == "n/a":
             pytest.skip(f"{check_id} not applicable: {result.reason}")
         if result.status == "fail":

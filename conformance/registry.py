@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class Context:
     root: Path
     examples: int = 10
     _n: int = 0
+    notes: list[str] = field(default_factory=list)  # shown as a passing check's reason (CONF-69)
 
     def location(self) -> Any:
         """A fresh checkpoint location of the backend."""

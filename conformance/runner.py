@@ -71,12 +71,22 @@ def run_checks(
     only: Iterable[str] | None = None,
     examples: int = 10,
     timeout: float = DEFAULT_TIMEOUT,
+    profile: str | None = None,
 ) -> list[Result]:
     """Run every check (or those whose ID is in ``only``) in spec order; never raises.
+
+    ``profile`` (a name in ``conformance.profiles.PROFILES``) lays that profile over the
+    backend's declared capabilities (CONF-69).
 
     Each check runs in its own daemon thread and is abandoned once the backend made no
     progress for ``timeout`` seconds (CONF-51); whatever backend code raises is that check's result (CONF-50).
     """
+    if profile is not None:
+        from conformance.profiles import PROFILES, Profiled
+
+        if profile not in PROFILES:
+            raise ValueError(f"unknown profile {profile!r}; known: {', '.join(sorted(PROFILES))}")
+        backend = Profiled(backend, profile)
     wanted = set(only) if only is not None else None
     lv = levels()
     out: list[Result] = []
@@ -89,8 +99,10 @@ def run_checks(
 
 def _outcome(backend: Backend, check: Check, examples: int) -> tuple[str, str]:
     """Run one check in the calling thread; any exception becomes (status, reason)."""
+    notes: list[str] = []
     try:
         with context(backend, examples) as ctx:
+            notes = ctx.notes
             check.fn(ctx)
     except NotApplicable as exc:
         return "n/a", str(exc)
@@ -102,7 +114,7 @@ def _outcome(backend: Backend, check: Check, examples: int) -> tuple[str, str]:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f" (at {_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
         return "fail", f"{check.id}: {describe(exc)}{where}"
-    return "pass", ""
+    return "pass", "; ".join(notes)
 
 
 def _short(filename: str) -> str:
@@ -114,9 +126,13 @@ def _short(filename: str) -> str:
 
 
 def _run_one(backend: Backend, check: Check, level: str, examples: int, timeout: float) -> Result:
-    missing = [c for c in check.needs if not getattr(backend.capabilities, c)]
+    caps = backend.capabilities
+    missing = [c for c in check.needs if not getattr(caps, c)]
     if missing:
         reason = f"backend does not declare {', '.join(missing)}"
+        why = [caps.reason(c) for c in missing if caps.reason(c)]
+        if why:
+            reason += f" ({'; '.join(why)})"
         return Result(check.id, level, check.title, "n/a", reason, 0.0)
     box: list[tuple[str, str]] = []
     interrupted: list[KeyboardInterrupt] = []

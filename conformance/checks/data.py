@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from conformance.checks.common import roundtrip, save_at
 from conformance.drive import load_ranks
-from conformance.registry import CheckFailed, Context, spec
+from conformance.registry import CheckFailed, Context, NotApplicable, spec
 from conformance.truth import DTYPES, bits, finite_tensor, rand_tensor, special_values
 
 
@@ -23,12 +23,19 @@ from conformance.truth import DTYPES, bits, finite_tensor, rand_tensor, special_
 def every_dtype(ctx: Context) -> None:
     gen = torch.Generator().manual_seed(10)
     sd: dict[str, Any] = {}
+    caps = ctx.backend.capabilities
     for dt in DTYPES:
         name = str(dt).replace("torch.", "")
+        if caps.dtypes is not None and name not in caps.dtypes:  # a profile's limit (CONF-69)
+            why = caps.reason("dtypes")
+            ctx.notes.append(f"{name} not saved: not among the backend's dtypes ({why})")
+            continue
         sd[name] = rand_tensor((5, 7), dt, gen)
         if dt.is_floating_point or dt.is_complex:
             # NaN payloads and signs, +-inf, +-0, subnormals: each a distinct bit pattern.
             sd[f"{name}.special"] = special_values(dt)
+    if not sd:
+        raise NotApplicable("the backend declares none of the dtypes CONF-10 saves")
     roundtrip(ctx, [sd], "CONF-10")
 
 

@@ -1,16 +1,22 @@
 """Choose storage from a ``checkpoint_id`` when the caller gives none (API-5).
 
 Like torch: a local path gets the filesystem storage, a URL (``scheme://``)
-gets the fsspec storage; an id neither accepts is a clear error.
+gets the fsspec storage; an id neither accepts is a clear error. For a load,
+a local directory holding ``.safetensors`` files and no ``.metadata`` (what
+torch's ``HuggingFaceStorageWriter`` leaves) gets torch's
+``HuggingFaceStorageReader`` (API-25).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-__all__ = ["select_reader", "select_writer"]
+from refdcp.storage.fs.paths import holds_safetensors_only
+
+__all__ = ["huggingface_reader", "select_reader", "select_writer"]
 
 
 def _candidates(kind: str) -> list[type[Any]]:
@@ -43,5 +49,25 @@ def select_writer(checkpoint_id: Any) -> StorageWriter:
 
 
 def select_reader(checkpoint_id: Any) -> StorageReader:
+    if isinstance(checkpoint_id, (str, os.PathLike)) and holds_safetensors_only(checkpoint_id):
+        return huggingface_reader(checkpoint_id)
     reader: StorageReader = _select("Reader", checkpoint_id)
+    return reader
+
+
+def huggingface_reader(path: str | os.PathLike[str]) -> StorageReader:
+    """torch's ``HuggingFaceStorageReader`` for ``path``; it needs the ``safetensors``
+    package, and without it the error names the package to install (API-25)."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            f"{os.fspath(path)} holds .safetensors files (torch's HuggingFaceStorageWriter "
+            "layout); reading them needs the safetensors package: pip install safetensors "
+            "(or refdcp[hf])"
+        ) from exc
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(os.fspath(path))
+    reader.reset(os.fspath(path))
     return reader

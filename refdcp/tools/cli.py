@@ -31,6 +31,25 @@ def _int_between(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 1 << 10, "MIB": 1 << 20}
+_UNITS["GIB"] = 1 << 30
+
+
+def _byte_size(text: str) -> int:
+    """An argparse ``type``: a positive size, ``123``, ``500MB`` or ``2GiB`` (TOOL-32)."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number) :].upper()
+    try:
+        value = int(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 1000000, 500MB or 2GiB, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     """An argparse ``type``: a finite number > 0, else a usage error (exit 2) (TOOL-23)."""
     try:
@@ -85,19 +104,28 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds per check before it fails (CONF-51)",
     )
+    conf.add_argument(
+        "--profile",
+        choices=["full", "safetensors"],
+        default=None,
+        help="lay a storage format's profile over the backend's capabilities (CONF-69)",
+    )
 
     sub.add_parser("spec", help="print the requirement -> tests traceability table")
 
     cv = sub.add_parser(
         "convert",
-        help="convert between DCP, torch.save and safetensors, one tensor in memory at a time",
-        description="Formats come from the paths: a directory is DCP, .safetensors is "
-        "safetensors, .pt/.pth/.bin/.ckpt is torch.save; a destination without one of "
-        "these extensions is a DCP directory. --from/--to override.",
+        help="convert between DCP, torch.save, safetensors and sharded safetensors, "
+        "one tensor in memory at a time",
+        description="Formats come from the paths: a directory is DCP (sharded safetensors "
+        "when it holds a *.safetensors.index.json and no .metadata), .safetensors is "
+        "safetensors, a name ending .safetensors.index.json is sharded safetensors with that "
+        "index, .pt/.pth/.bin/.ckpt is torch.save; a destination without one of these "
+        "extensions is a DCP directory. --from/--to override.",
     )
     cv.add_argument("src", help="checkpoint to read")
     cv.add_argument("dst", help="where to write the converted checkpoint")
-    formats = ["dcp", "torch", "safetensors"]
+    formats = ["dcp", "torch", "safetensors", "safetensors-index"]
     cv.add_argument("--from", dest="src_format", choices=formats, default=None)
     cv.add_argument("--to", dest="dst_format", choices=formats, default=None)
     cv.add_argument(
@@ -106,6 +134,15 @@ def _parser() -> argparse.ArgumentParser:
         help="to safetensors: leave out non-tensor values (listed) instead of refusing",
     )
     cv.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    cv.add_argument(
+        "--max-shard-size",
+        dest="max_shard_bytes",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="to sharded safetensors: the largest shard (bytes, or with KB/MB/GB/KiB/MiB/GiB; "
+        "default 5GB)",
+    )
 
     dm = sub.add_parser(
         "demo", help="the main job on embedded defaults: save, reshard, verify, inspect, conform"
@@ -163,6 +200,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             examples=args.examples,
             timeout=args.timeout,
             exit_when_abandoned=True,
+            profile=args.profile,
         )
         return code
     if args.command == "convert":
@@ -175,6 +213,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             dst_format=args.dst_format,
             drop_non_tensors=args.drop_non_tensors,
             overwrite=args.overwrite,
+            **({} if args.max_shard_bytes is None else {"max_shard_bytes": args.max_shard_bytes}),
         )
     if args.command == "demo":
         from refdcp.tools.demo import demo_command

@@ -1,4 +1,4 @@
-"""``refdcp convert SRC DST``: DCP <-> torch.save <-> safetensors, streaming (TOOL-18..22).
+"""``refdcp convert SRC DST``: DCP <-> torch.save <-> safetensors, streaming (TOOL-18..22, TOOL-32).
 
 One tensor is in memory at a time: every source is read tensor by tensor
 (DCP chunks and safetensors data with ``preadv`` straight into the
@@ -10,6 +10,11 @@ safetensors written by this module). Bytes are copied, never converted, so
 every dtype survives bit for bit. What a format cannot hold (a non-tensor
 value in safetensors, a dtype safetensors has no name for) is refused before
 anything is written.
+
+Sharded safetensors (``safetensors-index``, TOOL-32) is the Hugging Face layout: files
+``{stem}-00001-of-0000N.safetensors`` beside ``{stem}.safetensors.index.json``, whose
+``weight_map`` names the file of every tensor; torch's ``HuggingFaceStorageWriter``
+writes it, and its ``HuggingFaceStorageReader`` reads what this module writes.
 
 The safetensors format (an 8-byte little-endian header length, a JSON header,
 then the raw bytes) is written and read here rather than by the
@@ -70,15 +75,22 @@ from refdcp.tools.progress import Progress
 
 __all__ = [
     "FORMATS",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "INDEX_SUFFIX",
     "SAFETENSORS_DTYPES",
     "ConvertError",
     "ConvertReport",
     "convert",
     "convert_command",
     "detect_format",
+    "shard_groups",
 ]
 
-FORMATS = ("dcp", "torch", "safetensors")
+FORMATS = ("dcp", "torch", "safetensors", "safetensors-index")
+#: The name that ends a sharded safetensors checkpoint's index (TOOL-32).
+INDEX_SUFFIX = ".safetensors.index.json"
+#: Largest shard written to sharded safetensors unless told otherwise (Hugging Face's 5GB).
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 #: File extensions that name a format when ``--to``/``--from`` is not given (TOOL-18).
 EXTENSIONS = {
     ".pt": "torch",
@@ -128,6 +140,8 @@ class ConvertReport:
     largest_tensor_bytes: int = 0
     dropped: list[str] = field(default_factory=list)
     checksums_verified: int = 0
+    shards: int = 0  # files written to sharded safetensors (TOOL-32)
+    index: str = ""
 
 
 def _tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -140,13 +154,19 @@ def _tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 def detect_format(path: str | os.PathLike[str], *, existing: bool) -> str:
     """The format a path names (TOOL-18).
 
-    An existing directory is DCP; otherwise the extension decides
+    A name ending ``.safetensors.index.json``, or an existing directory holding
+    such a file and no ``.metadata``, is sharded safetensors (TOOL-32); another
+    existing directory is DCP; otherwise the extension decides
     (``.safetensors``; ``.pt``/``.pth``/``.bin``/``.ckpt`` for torch.save); a
     destination without a known extension is a DCP directory. An existing
     source file of unknown extension is sniffed (zip -> torch.save).
     """
     p = Path(path)
+    if p.name.endswith(INDEX_SUFFIX):
+        return "safetensors-index"
     if p.is_dir():
+        if not (p / layout.METADATA_NAME).exists() and _index_files(p):
+            return "safetensors-index"
         return "dcp"
     fmt = EXTENSIONS.get(p.suffix.lower())
     if fmt is not None:
@@ -649,6 +669,78 @@ class _SafetensorsSource(_Source):
         os.close(self.fd)
 
 
+def _index_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(INDEX_SUFFIX))
+
+
+class _IndexSource(_Source):
+    """Sharded safetensors: the index's ``weight_map`` and the files it names (TOOL-32).
+
+    Every file named must be a plain name in the index's directory, and the index and
+    the files' headers must agree key for key: a key the index names that its file
+    lacks, or a tensor of a file that the index leaves out or puts elsewhere, is refused.
+    """
+
+    def __init__(self, path: Path) -> None:
+        if path.is_dir():
+            found = _index_files(path)
+            if len(found) != 1:
+                raise ConvertError(
+                    f"{path}: holds {len(found)} *{INDEX_SUFFIX} files "
+                    f"({', '.join(p.name for p in found) or 'none'}); name the index itself"
+                )
+            path = found[0]
+        self.path = path
+        try:
+            index = json.loads(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ConvertError(f"{path}: not a readable JSON index: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ConvertError(f"{path}: no weight_map of tensor names to file names")
+        self.files: dict[str, _SafetensorsSource] = {}
+        try:
+            for name in dict.fromkeys(weight_map.values()):
+                try:
+                    layout.check_data_name(name, file=path.name)
+                except RefdcpError as exc:
+                    raise ConvertError(str(exc)) from exc
+                self.files[name] = _SafetensorsSource(path.parent / name)
+            for name, part in self.files.items():
+                wanted = {k for k, v in weight_map.items() if v == name}
+                if wanted != set(part.entries):
+                    lacks, extra = (
+                        sorted(wanted - set(part.entries)),
+                        sorted(set(part.entries) - wanted),
+                    )
+                    raise ConvertError(
+                        f"{path}: the index and {name} disagree: the index names "
+                        f"{lacks[:5]} there, which it lacks; it holds {extra[:5]}, which the "
+                        "index does not put there"
+                    )
+        except BaseException:
+            self.close()
+            raise
+        self.where = dict(weight_map)
+        self.flat = {k: self.files[v].flat[k] for k, v in weight_map.items()}
+        self.structure = dict(self.flat)
+
+    def read(self, fqn: str) -> torch.Tensor:
+        part = self.files[self.where[fqn]]
+        dtype, shape, begin = part.entries[fqn]
+        out = self._empty(shape, dtype)
+        if out.numel():
+            _readinto(part.fd, raw_view(out), part.base + begin, fqn, str(part.path))
+        return out
+
+    def close(self) -> None:
+        super().close()
+        for part in getattr(self, "files", {}).values():
+            part.close()
+
+
 class _TorchSaveSource(_Source):
     """A torch.save file, memory-mapped; each tensor's pages are dropped once written."""
 
@@ -852,6 +944,80 @@ def _write_safetensors(
             del tensor
 
 
+def shard_groups(src: _Source, keys: list[str], max_shard_bytes: int) -> list[list[str]]:
+    """``keys`` in order, cut into shards of at most ``max_shard_bytes`` of tensor data;
+    a tensor larger than that is a shard of its own (TOOL-32)."""
+    groups: list[list[str]] = []
+    size = 0
+    for key in keys:
+        n = _tensor_nbytes(tuple(src.flat[key].shape), src.flat[key].dtype)
+        if not groups or (groups[-1] and size + n > max_shard_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += n
+    return groups or [[]]
+
+
+def _index_target(dst: Path) -> tuple[Path, str]:
+    """The index file and the shards' stem for a sharded-safetensors destination."""
+    if dst.name.endswith(INDEX_SUFFIX):
+        return dst, dst.name[: -len(INDEX_SUFFIX)]
+    return dst / f"model{INDEX_SUFFIX}", "model"
+
+
+def _write_safetensors_index(
+    src: _Source,
+    dst: Path,
+    progress: Progress,
+    report: ConvertReport,
+    keys: list[str],
+    max_shard_bytes: int,
+) -> None:
+    """Each shard under a temporary name, then the shards renamed into place and the index
+    written last: a failure removes what it wrote and leaves no index (TOOL-32)."""
+    index_path, stem = _index_target(dst)
+    folder = index_path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    groups = shard_groups(src, keys, max_shard_bytes)
+    names = [f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    old: list[str] = []
+    if index_path.is_file():
+        try:
+            old = list(dict.fromkeys(json.loads(index_path.read_bytes())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            old = []
+    temps: list[Path] = []
+    placed: list[Path] = []
+    try:
+        for group in groups:
+            fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".partial", dir=folder)
+            os.close(fd)
+            temps.append(Path(tmp))
+            _write_safetensors(src, temps[-1], progress, report, group)
+        total = report.tensor_bytes
+        for part, name in zip(temps, names):
+            os.replace(part, folder / name)
+            placed.append(folder / name)
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: names[i] for i, group in enumerate(groups) for k in group},
+        }
+        fd, tmp = tempfile.mkstemp(prefix=f".{index_path.name}.", suffix=".partial", dir=folder)
+        os.close(fd)
+        temps.append(Path(tmp))
+        Path(tmp).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, index_path)
+        report.shards, report.index = len(names), str(index_path)
+    except BaseException:
+        for path in temps + placed:
+            path.unlink(missing_ok=True)
+        raise
+    for name in old:  # shards of the replaced checkpoint that the new index does not name
+        if name not in names and "/" not in name and name not in (".", ".."):
+            (folder / name).unlink(missing_ok=True)
+
+
 def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
     from refdcp.planning import DefaultSavePlanner
     from refdcp.planning.loadable import refuse_unloadable
@@ -917,6 +1083,8 @@ def _open_source(path: Path, fmt: str) -> _Source:
         return _DcpSource(path)
     if fmt == "safetensors":
         return _SafetensorsSource(path)
+    if fmt == "safetensors-index":
+        return _IndexSource(path)
     return _TorchSaveSource(path)
 
 
@@ -929,6 +1097,7 @@ def convert(
     drop_non_tensors: bool = False,
     overwrite: bool = False,
     progress: TextIO | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> ConvertReport:
     """Convert the checkpoint at ``src`` into ``dst`` (TOOL-18..22).
 
@@ -938,7 +1107,8 @@ def convert(
     ``drop_non_tensors``, which lists what it dropped in the report) and
     dtypes safetensors cannot name. File destinations are written under a
     temporary name and renamed into place, so a failed conversion leaves no
-    partial file; a DCP destination is committed only by its ``.metadata``.
+    partial file; a DCP destination is committed only by its ``.metadata``, sharded
+    safetensors (shards of at most ``max_shard_bytes``) by its index (TOOL-32).
     """
     src_p, dst_p = Path(src), Path(dst)
     sfmt = src_format or detect_format(src_p, existing=True)
@@ -946,6 +1116,8 @@ def convert(
     for role, fmt in (("source", sfmt), ("destination", dfmt)):
         if fmt not in FORMATS:
             raise ConvertError(f"{role} format must be one of {FORMATS}, got {fmt!r}")
+    if max_shard_bytes < 1:
+        raise ConvertError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if sfmt == dfmt:
         raise ConvertError(f"{src_p} and {dst_p} are both {sfmt}: nothing to convert")
     if not src_p.exists():
@@ -958,7 +1130,8 @@ def convert(
     source = _open_source(src_p, sfmt)
     try:
         tensors, objects = _tensor_keys(source), _object_keys(source)
-        if dfmt == "safetensors" and objects:
+        tensor_only = dfmt in ("safetensors", "safetensors-index")
+        if tensor_only and objects:
             if not drop_non_tensors:
                 shown = ", ".join(f"{k!r} ({type(source.flat[k]).__name__})" for k in objects[:10])
                 more = f" and {len(objects) - 10} more" if len(objects) > 10 else ""
@@ -968,16 +1141,18 @@ def convert(
                     "or pass --drop-non-tensors to leave them out"
                 )
             report.dropped = list(objects)
-        report.objects = 0 if dfmt == "safetensors" else len(objects)
+        report.objects = 0 if tensor_only else len(objects)
         total = sum(
             _tensor_nbytes(tuple(source.flat[k].shape), source.flat[k].dtype) for k in tensors
         )
-        if dfmt == "safetensors":
+        if tensor_only:
             _safetensors_header(source, tensors)  # refuse unnamed dtypes before writing
         with Progress(total, f"convert {sfmt} -> {dfmt}", stream=progress) as bar:
             if dfmt == "dcp":
                 dst_p.mkdir(parents=True, exist_ok=True)
                 _write_dcp(source, dst_p, bar, report)
+            elif dfmt == "safetensors-index":
+                _write_safetensors_index(source, dst_p, bar, report, tensors, max_shard_bytes)
             else:
                 dst_p.parent.mkdir(parents=True, exist_ok=True)
                 fd, tmp_name = tempfile.mkstemp(prefix=f".{dst_p.name}.", dir=dst_p.parent)
@@ -1007,6 +1182,8 @@ def _iter_lines(report: ConvertReport) -> Iterator[str]:
     )
     if report.checksums_verified:
         yield f"checksums verified: {report.checksums_verified} item(s)"
+    if report.shards:
+        yield f"shards: {report.shards} file(s) named by {report.index}"
     if report.dropped:
         yield f"dropped (not tensors): {', '.join(report.dropped)}"
 
@@ -1019,6 +1196,7 @@ def convert_command(
     dst_format: str | None = None,
     drop_non_tensors: bool = False,
     overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
@@ -1033,6 +1211,7 @@ def convert_command(
             drop_non_tensors=drop_non_tensors,
             overwrite=overwrite,
             progress=errs,
+            max_shard_bytes=max_shard_bytes,
         )
     except (RefdcpError, OSError) as exc:
         errs.write(f"refdcp convert: error: {exc}\n")

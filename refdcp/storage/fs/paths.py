@@ -17,11 +17,12 @@ import stat
 from pathlib import Path
 
 from refdcp.storage.errors import UnsafePathError
-from refdcp.storage.format.layout import MAX_NAME_BYTES, check_data_name
+from refdcp.storage.format.layout import MAX_NAME_BYTES, METADATA_NAME, check_data_name
 
 __all__ = [
     "MAX_NAME_BYTES",
     "check_data_name",
+    "holds_safetensors_only",
     "open_data_file",
     "open_regular",
     "pread_exact",
@@ -100,3 +101,13 @@ def _kind(mode: int) -> str:
         if test(mode):
             return label
     return "not a regular file"
+
+
+def holds_safetensors_only(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a directory with a ``.safetensors`` file and no ``.metadata``:
+    the layout torch's ``HuggingFaceStorageWriter`` leaves (API-25)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return METADATA_NAME not in names and any(n.endswith(".safetensors") for n in names)
