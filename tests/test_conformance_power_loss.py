@@ -347,7 +347,11 @@ def test_sync_files_makes_a_new_checkpoint_directory_durable(
 
     synced: list[Path] = []
     real = fs._fsync_dir
-    monkeypatch.setattr(fs, "_fsync_dir", lambda p: (synced.append(Path(p)), real(p))[1])
+    monkeypatch.setattr(
+        fs,
+        "_fsync_dir",  # by path where a directory is made; by descriptor in the save (STORE-57)
+        lambda p: (None if isinstance(p, int) else synced.append(Path(p)), real(p))[1],
+    )
     target = tmp_path / "a" / "b"
     refdcp.save({"w": torch.ones(2)}, storage_writer=fs.FileSystemWriter(target), no_dist=True)
     assert synced[:2] == [tmp_path / "a", tmp_path]  # the parents of the two new directories

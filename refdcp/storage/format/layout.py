@@ -20,6 +20,7 @@ __all__ = [
     "assign_rank_prefixes",
     "with_save_token",
     "plan_token",
+    "plan_directory",
     "plan_prefix",
     "rank_of_file",
     "rank_of_metadata",
@@ -100,11 +101,25 @@ class SavePrefix(_StoragePrefix):
     carry one token per save (STORE-30)."""
 
     token: str = ""
+    #: the coordinator's opened directory: (device, inode, host and boot) (STORE-57)
+    directory: tuple[int, int, str] | None = None
 
 
-def with_save_token(plans: list[SavePlan], token: str) -> list[SavePlan]:
-    """Tag every plan's prefix with the save token (keeps torch's ``_StoragePrefix`` API)."""
-    return [dataclasses.replace(p, storage_data=SavePrefix(plan_prefix(p), token)) for p in plans]
+def with_save_token(
+    plans: list[SavePlan], token: str, directory: tuple[int, int, str] | None = None
+) -> list[SavePlan]:
+    """Tag every plan's prefix with the save token and the coordinator's directory
+    (keeps torch's ``_StoragePrefix`` API)."""
+    return [
+        dataclasses.replace(p, storage_data=SavePrefix(plan_prefix(p), token, directory))
+        for p in plans
+    ]
+
+
+def plan_directory(plan: SavePlan) -> tuple[int, int, str] | None:
+    """The directory the coordinator opened for this save, if the plan says (STORE-57)."""
+    data = plan.storage_data
+    return data.directory if isinstance(data, SavePrefix) else None
 
 
 def plan_token(plan: SavePlan) -> str | None:
