@@ -270,6 +270,8 @@ class _AtPath:
 class FileSystemWriter(_AtPath, StorageWriter):
     """A torch ``StorageWriter`` writing torch's layout with refdcp's commit (STORE-1..STORE-9).
 
+    Each rank opens the checkpoint directory once, in ``prepare_local_plan``, and
+    makes every file of the save relative to it (STORE-57, STORE-58).
     Data files get names unique to this save (``__{rank}_{n}.{token}.distcp``);
     ``.metadata`` is written to a temporary name, fsynced and atomically
     renamed over the old one; unreferenced files are removed after commit.
