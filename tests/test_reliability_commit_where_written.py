@@ -187,3 +187,17 @@ def test_a_symlinked_path_left_alone_saves_and_loads_as_usual(tmp_path: Path, wo
         assert not any(isinstance(r, BaseException) for r in results), results
         assert _loaded(link, world) == v
     assert os.path.islink(link) and (a / layout.METADATA_NAME).is_file()
+
+
+@pytest.mark.spec("STORE-57")
+def test_a_used_writer_pickles_without_its_descriptor(tmp_path: Path) -> None:
+    """A writer sent to another process (async_save's process executor) carries no
+    descriptor number that would mean another file there; it saves again as usual."""
+    import pickle
+
+    writer = FileSystemWriter(tmp_path, sync_files=False)
+    refdcp.save(_state(0, 1.0), storage_writer=writer, no_dist=True)
+    copy = pickle.loads(pickle.dumps(writer))
+    assert copy._dir is None or copy._dir.fd is None
+    refdcp.save(_state(0, 2.0), storage_writer=copy, no_dist=True)
+    assert _loaded(tmp_path, 1) == 2.0

@@ -129,6 +129,11 @@ class _OpenedDir:
         if fd is not None:
             os.close(fd)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a descriptor means nothing in another process (a writer pickled to an async
+        # save's worker): it arrives closed, and the next save opens the directory again
+        return {"fd": None, "ident": self.ident}
+
 
 def _make_dir(path: Path, sync: bool) -> None:
     """Create ``path`` and its missing parents; with ``sync``, fsync the parent of each
