@@ -95,6 +95,46 @@ def test_a_save_committing_during_a_load_is_reported_as_a_replaced_checkpoint(
     assert _one_checkpoint(out) == 2.0  # loading again reads the new checkpoint
 
 
+class _KeepsOldFiles(FileSystemWriter):
+    """A writer whose post-commit clean-up has not run yet: the window in which a rank
+    that read the old ``.metadata`` could still open the old data files."""
+
+    def _clean_up(self, storage_md: Any) -> None:
+        return None
+
+
+@pytest.mark.spec("LOAD-23")
+def test_ranks_that_read_different_commits_refuse_before_reading(tmp_path: Path) -> None:
+    """Rank 0 reads ``.metadata`` before a commit and rank 1 after it, while the old data
+    files still exist: without the check each rank would load a different checkpoint."""
+    refdcp.save(_state(1.0), storage_writer=_KeepsOldFiles(tmp_path), no_dist=True)
+    first_read = threading.Event()
+
+    def fault(rank: int, action: Action) -> None:
+        if rank == 0 and action.step == Step.LOCAL_PLAN:
+            first_read.set()  # rank 0 has read the metadata (set-up is done)
+        if rank == 1 and action.step == Step.SET_UP:
+            assert first_read.wait(30)
+            refdcp.save(_state(2.0), storage_writer=_KeepsOldFiles(tmp_path), no_dist=True)
+
+    def rank_main(comm: FakeComm) -> Any:
+        dest = _empty()
+        try:
+            refdcp.load(
+                dest, checkpoint_id=tmp_path, comm=comm, fault=lambda i, a: fault(comm.rank, a)
+            )
+        except CheckpointError as exc:
+            return exc, dest
+        return None, dest
+
+    for err, dest in FakeWorld(2, timeout=60).run(rank_main):
+        assert isinstance(err, CheckpointError), dest["step"]
+        cause = _cause(err)
+        assert isinstance(cause, CheckpointReplacedError), cause
+        assert "2 different committed" in str(cause)
+        assert torch.equal(dest["t0"], torch.full((64,), -1.0))  # nothing was read
+
+
 @pytest.mark.spec("LOAD-22")
 def test_a_missing_data_file_without_a_new_commit_is_corruption(tmp_path: Path) -> None:
     _save(tmp_path, 1.0)

@@ -17,6 +17,7 @@ __all__ = [
     "METADATA_NAME",
     "check_data_name",
     "SavePrefix",
+    "MetadataStamp",
     "assign_rank_prefixes",
     "with_save_token",
     "plan_token",
@@ -114,6 +115,16 @@ def with_save_token(
         dataclasses.replace(p, storage_data=SavePrefix(plan_prefix(p), token, directory))
         for p in plans
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataStamp:
+    """What a rank's load plan carries to the coordinator: the size and CRC-32C of the
+    ``.metadata`` this rank read, so ranks that read different commits are found
+    before anything is read (LOAD-23)."""
+
+    size: int
+    crc: int
 
 
 def plan_directory(plan: SavePlan) -> tuple[int, int, str] | None:

@@ -87,6 +87,7 @@ from refdcp.storage.fs.transforms import (
 from refdcp.storage.metadata.safe import (
     dump_metadata,
     finalize_metadata,
+    has_checksum_trailer,
     load_metadata,
     read_metadata_file_stat,
 )
@@ -681,6 +682,7 @@ class FileSystemReader(_AtPath, StorageReader):
         #: compared with to tell a concurrent commit from damage (LOAD-22)
         self._metadata_name = layout.METADATA_NAME
         self._metadata_ident: tuple[int, ...] | None = None
+        self._metadata_stamp: layout.MetadataStamp | None = None
 
     def set_verify(self, verify: bool | None) -> None:
         """True: check every item before delivering it, requiring checksums (INTEG-4);
@@ -699,6 +701,7 @@ class FileSystemReader(_AtPath, StorageReader):
         # bounded, regular file only (FMT-10)
         data, st = read_metadata_file_stat(self.path / name)
         self._metadata_name, self._metadata_ident = name, _identity(st)
+        self._metadata_stamp = _stamp(data)
         metadata = load_metadata(data, file=str(self.path / name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -719,9 +722,20 @@ class FileSystemReader(_AtPath, StorageReader):
         self._verified = set()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if self._metadata_stamp is None or plan.storage_data is not None:
+            return plan
+        return dataclasses.replace(plan, storage_data=self._metadata_stamp)  # LOAD-23
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Refuse, before anything is read, a load whose ranks read different committed
+        ``.metadata`` files: a save committed between their reads (LOAD-23)."""
+        stamps = {p.storage_data for p in plans if isinstance(p.storage_data, layout.MetadataStamp)}
+        if len(stamps) > 1:
+            raise CheckpointReplacedError(
+                f"{self.path}: the checkpoint was replaced while this load ran: its ranks read "
+                f"{len(stamps)} different committed {self._metadata_name} files (a save "
+                "committed between their reads); nothing was read, load again"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -1014,6 +1028,14 @@ class FileSystemReader(_AtPath, StorageReader):
             read_checked_into(fd, view, info, fqn, file)
         else:
             _read_exact(fd, view, start, fqn, file)
+
+
+def _stamp(data: bytes) -> layout.MetadataStamp:
+    """The size and CRC-32C of ``.metadata`` bytes: refdcp's trailer when it has one (its
+    checked CRC, INTEG-2), else computed (LOAD-23)."""
+    if has_checksum_trailer(data):
+        return layout.MetadataStamp(len(data), int(data[-9:-1], 16))
+    return layout.MetadataStamp(len(data), crc32c(data))
 
 
 def _identity(st: os.stat_result) -> tuple[int, ...]:
