@@ -4,7 +4,7 @@ the states a power cut can leave on disk (CONF-58, CONF-59, CONF-60).
 Recording. While a save runs, :class:`Recorder` replaces the Python-level entry points
 of the file-system calls in ``os`` (``open``, ``write``, ``writev``, ``pwrite``,
 ``pwritev``, ``ftruncate``, ``truncate``, ``fsync``, ``fdatasync``, ``sync``, ``close``,
-``rename``, ``replace``, ``unlink``, ``remove``, ``link``, ``mkdir``, ``rmdir``) and
+``rename``, ``replace``, ``unlink``, ``remove``, ``link``, ``mkdir``, ``rmdir``, ``dup``) and
 ``open`` in ``io`` and ``builtins`` (a file opened for writing gets a ``FileIO``
 subclass under the usual buffered layers, so a write is recorded when it reaches the
 operating system, not when it enters a Python buffer). Only calls on paths below the
@@ -31,7 +31,9 @@ The model (weaker than ext4 ``data=ordered``; close to ext4 ``data=writeback``):
 
 Limits: one directory's entries are never reordered (a file system that reorders them,
 as POSIX allows, can lose more); renaming a directory, symbolic links and ``dir_fd``
-calls are not modelled (the check is then not applicable); writes through memory maps
+calls relative to a directory descriptor the recorder did not see opened below the
+root are not modelled (the check is then not applicable; ``dir_fd`` relative to a
+recorded directory, and ``os.dup`` of it, are); writes through memory maps
 or C code are not modelled (caught by the completeness comparison); the contents of
 files that existed before the save are taken as durable.
 """
@@ -171,7 +173,7 @@ _ORIG: dict[str, Any] = {
         for name in (
             "open", "write", "writev", "pwrite", "pwritev", "ftruncate", "truncate", "fsync",
             "fdatasync", "sync", "close", "rename", "replace", "unlink", "remove", "link",
-            "mkdir", "rmdir",
+            "mkdir", "rmdir", "dup",
         )
         if hasattr(os, name)
     },
@@ -199,11 +201,14 @@ class Recorder:
         if isinstance(path, int):
             return None
         p = os.fsdecode(os.fspath(path))
+        if dir_fd is not None and not os.path.isabs(p):
+            known = self._fds.get(dir_fd)
+            if known is None or known[0] != "dir" or "/" in p or p in (".", ".."):
+                self.unsupported(f"a call with dir_fd on {p}")
+                return None
+            return _join(known[1], p)
         a = os.path.abspath(p)
         full = os.path.join(os.path.realpath(os.path.dirname(a)), os.path.basename(a))
-        if dir_fd is not None:
-            self.unsupported(f"a call with dir_fd on {p}")
-            return None
         if full == self.root:
             return ""
         if full.startswith(self.root + os.sep):
@@ -256,6 +261,12 @@ class Recorder:
             self._fds[fd] = ("file", ino)
             if flags & os.O_APPEND:
                 self._append.add(fd)
+
+    def duplicated(self, fd: int, new: int) -> None:
+        with self._lock:
+            kind = self._fds.get(fd)
+            if kind is not None:
+                self._fds[new] = kind
 
     def closed(self, fd: int) -> None:
         with self._lock:
@@ -357,10 +368,25 @@ def _w_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: Any = None) -> 
     rel = rec.rel(path, dir_fd) if rec is not None else None
     if rec is None or rel is None:
         return int(_ORIG["open"](path, flags, mode, dir_fd=dir_fd))
-    existed = os.path.lexists(path)
-    fd = int(_ORIG["open"](path, flags, mode))
+    existed = _lexists(path, dir_fd)
+    fd = int(_ORIG["open"](path, flags, mode, dir_fd=dir_fd))
     rec.opened(rel, fd, existed, flags)
     return fd
+
+
+def _lexists(path: Any, dir_fd: Any) -> bool:
+    try:
+        os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _w_dup(fd: int) -> int:
+    new = int(_ORIG["dup"](fd))
+    if _ACTIVE is not None:
+        _ACTIVE.duplicated(fd, new)
+    return new
 
 
 def _w_write(fd: int, data: Any) -> int:
@@ -573,6 +599,7 @@ _PATCHES: dict[str, Any] = {
     "remove": _w_unlink,
     "mkdir": _w_mkdir,
     "rmdir": _w_rmdir,
+    "dup": _w_dup,
 }
 
 

@@ -46,6 +46,8 @@ that raise it. The whole hierarchy (module of definition in brackets)::
             ├── FormatVersionError                      unknown format version (FMT-7)
             ├── CheckpointExistsError (+ FileExistsError)  overwrite=False and one exists (STORE-6)
             ├── ConcurrentSaveError                     another save holds the lock
+            ├── CheckpointMovedError                    the path was re-pointed during a save (STORE-57)
+            ├── CheckpointReplacedError                 a save replaced the checkpoint a load read (LOAD-22, LOAD-23)
             ├── MetadataUnreadableError                 verify cannot read .metadata (TOOL-13)
             ├── TransformUnavailableError (+ ValueError)  a stream transform cannot be undone here (FMT-25)
             └── MetadataFieldMissing                    internal to the bulk metadata check

@@ -292,6 +292,49 @@ def test_the_recorder_sees_os_calls_and_buffered_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.spec("CONF-58")
+def test_the_recorder_follows_calls_relative_to_a_recorded_directory(tmp_path: Path) -> None:
+    """``dir_fd`` relative to a directory opened below the root, or to a ``dup`` of it, is
+    modelled as the same call by path (refdcp's writer works that way, STORE-57)."""
+
+    def body() -> None:
+        (tmp_path / "d").mkdir()
+        dfd = os.open(tmp_path / "d", os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open("a.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+        os.write(fd, b"hello")
+        os.fsync(fd)
+        os.close(fd)
+        os.replace("a.tmp", "a", src_dir_fd=dfd, dst_dir_fd=dfd)
+        twin = os.dup(dfd)
+        os.fsync(twin)
+        os.link("a", "b", src_dir_fd=twin, dst_dir_fd=twin)
+        os.unlink("a", dir_fd=twin)
+        os.close(twin)
+        os.close(dfd)
+
+    trace = _record(tmp_path, body)
+    assert trace.unsupported == []
+    assert [op.kind for op in trace.ops] == [
+        "mkdir", "create", "write", "fsync", "rename", "dirsync", "link", "unlink",
+    ]  # fmt: skip
+    everything = crash_state(trace, len(trace.ops), POLICIES[1], random.Random(0))
+    assert differences(tmp_path, everything) == []
+    assert dict(everything.files) == {"d/b": b"hello"}
+
+
+@pytest.mark.spec("CONF-58")
+def test_a_call_relative_to_an_unrecorded_directory_is_not_modelled(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    dfd = os.open(tmp_path / "d", os.O_RDONLY | os.O_DIRECTORY)  # opened before recording
+    try:
+        trace = _record(
+            tmp_path, lambda: os.close(os.open("x", os.O_CREAT | os.O_WRONLY, dir_fd=dfd))
+        )
+    finally:
+        os.close(dfd)
+    assert trace.unsupported == ["a call with dir_fd on x"]
+
+
+@pytest.mark.spec("CONF-58")
 def test_a_write_the_recorder_cannot_see_is_found(tmp_path: Path) -> None:
     import mmap
 
@@ -347,7 +390,11 @@ def test_sync_files_makes_a_new_checkpoint_directory_durable(
 
     synced: list[Path] = []
     real = fs._fsync_dir
-    monkeypatch.setattr(fs, "_fsync_dir", lambda p: (synced.append(Path(p)), real(p))[1])
+    monkeypatch.setattr(
+        fs,
+        "_fsync_dir",  # by path where a directory is made; by descriptor in the save (STORE-57)
+        lambda p: (None if isinstance(p, int) else synced.append(Path(p)), real(p))[1],
+    )
     target = tmp_path / "a" / "b"
     refdcp.save({"w": torch.ones(2)}, storage_writer=fs.FileSystemWriter(target), no_dist=True)
     assert synced[:2] == [tmp_path / "a", tmp_path]  # the parents of the two new directories

@@ -105,7 +105,9 @@ def test_the_metadata_temp_file_is_fsynced_before_the_rename(
 
     monkeypatch.setattr(fs.os, "fsync", fsync)
     monkeypatch.setattr(
-        fs.os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1]
+        fs.os,
+        "replace",
+        lambda a, b, **kw: (events.append("replace"), real_replace(a, b, **kw))[1],
     )
     refdcp.save(
         {"w": torch.ones(2)},

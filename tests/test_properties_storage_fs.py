@@ -116,7 +116,7 @@ def test_bytes_item_that_is_not_bytes_is_an_error_naming_the_key(tmp_path: Path)
 def test_a_failed_rename_leaves_no_temp_file_and_no_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def refuse(a: Any, b: Any) -> None:
+    def refuse(a: Any, b: Any, **kw: Any) -> None:
         raise OSError("rename refused")
 
     monkeypatch.setattr(fs.os, "replace", refuse)
@@ -133,7 +133,7 @@ def test_sync_files_fsyncs_the_directory_after_the_commit(
     order: list[str] = []
     real_replace, real_sync = fs.os.replace, fs._fsync_dir
     monkeypatch.setattr(
-        fs.os, "replace", lambda a, b: (order.append("replace"), real_replace(a, b))[1]
+        fs.os, "replace", lambda a, b, **kw: (order.append("replace"), real_replace(a, b, **kw))[1]
     )
     monkeypatch.setattr(fs, "_fsync_dir", lambda p: (order.append("fsync_dir"), real_sync(p))[1])
     refdcp.save(

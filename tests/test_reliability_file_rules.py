@@ -183,15 +183,21 @@ class _DirectoryReplaced(FileSystemWriter):
         super().finish(metadata, results)
 
 
-@pytest.mark.spec("SAVE-16")
-def test_a_directory_replaced_by_a_file_before_the_rename_reports_not_committed(
+@pytest.mark.spec("SAVE-16", "STORE-58")
+def test_a_directory_replaced_by_a_file_before_the_rename_commits_where_the_data_is(
     tmp_path: Path,
 ) -> None:
+    """The save commits in the directory it opened (now ``ckpt.moved``) and says so, with
+    commit status True; the file now at the path is left as it was."""
     root = tmp_path / "ckpt"
     with pytest.raises(CheckpointError) as err:
         refdcp.save(_sd(), storage_writer=_DirectoryReplaced(root))
-    assert err.value.committed is False, err.value.commit_status
-    assert root.is_file()
+    assert err.value.committed is True, err.value.commit_status
+    assert str(tmp_path / "ckpt.moved") in str(err.value)
+    assert root.read_text() == "not a directory"
+    out = {"w": torch.zeros(4), "cfg": {"lr": 0.0}}
+    refdcp.load(out, checkpoint_id=tmp_path / "ckpt.moved", verify=True)
+    assert torch.equal(out["w"], _sd()["w"])
 
 
 # -- clean-up honours global and rank-local metadata (STORE-33) ------------------------------

@@ -103,9 +103,9 @@ def test_reader_opens_only_referenced_files(
     opened: list[str] = []
     real_open = os.open
 
-    def spy(path: Any, flags: int, *a: Any) -> int:
+    def spy(path: Any, flags: int, *a: Any, **k: Any) -> int:
         opened.append(os.path.basename(str(path)))
-        return real_open(path, flags, *a)
+        return real_open(path, flags, *a, **k)
 
     monkeypatch.setattr(fs_mod.os, "open", spy)
     load(_empty_like(_sd(3)), FileSystemReader(tmp_path))
@@ -123,7 +123,8 @@ def test_failed_save_keeps_old_checkpoint(tmp_path: Path, monkeypatch: pytest.Mo
 
     def failing_replace(src: Any, dst: Any, *a: Any, **k: Any) -> None:
         if os.path.basename(str(dst)) == ".metadata":
-            staged_metadata.append(os.path.getsize(src))  # finish wrote the new metadata
+            # finish wrote the new metadata (relative to the save's directory, STORE-57)
+            staged_metadata.append(os.stat(src, dir_fd=k.get("src_dir_fd")).st_size)
             raise OSError("injected failure at the commit rename")
         real_replace(src, dst, *a, **k)
 
@@ -190,9 +191,9 @@ def test_fsync_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     replaced: list[int] = []
     real_replace = os.replace
 
-    def spy_replace(a: Any, b: Any) -> None:
+    def spy_replace(a: Any, b: Any, **kw: Any) -> None:
         replaced.append(len(synced))
-        real_replace(a, b)
+        real_replace(a, b, **kw)
 
     monkeypatch.setattr(fs_mod.os, "fsync", spy)
     monkeypatch.setattr(fs_mod.os, "replace", spy_replace)

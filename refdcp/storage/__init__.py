@@ -2,6 +2,8 @@
 
 from refdcp.storage.errors import (
     CheckpointExistsError,
+    CheckpointMovedError,
+    CheckpointReplacedError,
     ConcurrentSaveError,
     CorruptionError,
     FormatVersionError,
@@ -19,6 +21,8 @@ from refdcp.storage.verify import VerifyReport, verify_checkpoint
 
 __all__ = [
     "CheckpointExistsError",
+    "CheckpointMovedError",
+    "CheckpointReplacedError",
     "ConcurrentSaveError",
     "CorruptionError",
     "FileSystemReader",

@@ -111,6 +111,28 @@ class ConcurrentSaveError(RefdcpError):
     """Another save into the same checkpoint path holds its lock (STORE-29)."""
 
 
+class CheckpointMovedError(RefdcpError):
+    """The checkpoint path was re-pointed or renamed during a save, so it does not name
+    the directory the save wrote to (STORE-57, STORE-58). Before the commit it fails the save;
+    after it, the save is committed where its data is and the message says where."""
+
+
+class CheckpointReplacedError(RefdcpError):
+    """A load's data file was reclaimed by a save that committed a new checkpoint at the
+    path while the load ran (LOAD-22): load again to read the new one.
+
+    ``overwritten`` names the keys whose destinations this rank's load had already
+    given values of the checkpoint it started from (LOAD-20)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.overwritten: tuple[str, ...] = ()
+
+    def name_overwritten(self, keys: list[str]) -> None:
+        """Record and state the keys already overwritten on this rank (LOAD-20)."""
+        CorruptionError.name_overwritten(self, keys)  # type: ignore[arg-type]
+
+
 class UnsafeObjectError(RefdcpError, pickle.UnpicklingError):
     """A saved non-tensor value references a global outside the allow-list (LOAD-9).
 

@@ -17,9 +17,11 @@ __all__ = [
     "METADATA_NAME",
     "check_data_name",
     "SavePrefix",
+    "MetadataStamp",
     "assign_rank_prefixes",
     "with_save_token",
     "plan_token",
+    "plan_directory",
     "plan_prefix",
     "rank_of_file",
     "rank_of_metadata",
@@ -100,11 +102,35 @@ class SavePrefix(_StoragePrefix):
     carry one token per save (STORE-30)."""
 
     token: str = ""
+    #: the coordinator's opened directory: (device, inode, host and boot) (STORE-57)
+    directory: tuple[int, int, str] | None = None
 
 
-def with_save_token(plans: list[SavePlan], token: str) -> list[SavePlan]:
-    """Tag every plan's prefix with the save token (keeps torch's ``_StoragePrefix`` API)."""
-    return [dataclasses.replace(p, storage_data=SavePrefix(plan_prefix(p), token)) for p in plans]
+def with_save_token(
+    plans: list[SavePlan], token: str, directory: tuple[int, int, str] | None = None
+) -> list[SavePlan]:
+    """Tag every plan's prefix with the save token and the coordinator's directory
+    (keeps torch's ``_StoragePrefix`` API)."""
+    return [
+        dataclasses.replace(p, storage_data=SavePrefix(plan_prefix(p), token, directory))
+        for p in plans
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataStamp:
+    """What a rank's load plan carries to the coordinator: the size and CRC-32C of the
+    ``.metadata`` this rank read, so ranks that read different commits are found
+    before anything is read (LOAD-23)."""
+
+    size: int
+    crc: int
+
+
+def plan_directory(plan: SavePlan) -> tuple[int, int, str] | None:
+    """The directory the coordinator opened for this save, if the plan says (STORE-57)."""
+    data = plan.storage_data
+    return data.directory if isinstance(data, SavePrefix) else None
 
 
 def plan_token(plan: SavePlan) -> str | None:

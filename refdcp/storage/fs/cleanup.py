@@ -21,6 +21,7 @@ from typing import Any
 
 from refdcp.storage.format import layout
 from refdcp.storage.fs.lock import live_lock_tokens
+from refdcp.storage.fs.paths import at
 
 __all__ = [
     "abort_writer",
@@ -44,8 +45,11 @@ def token_of(name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def committed_references(root: Path, names: Iterable[str] | None = None) -> set[str] | None:
-    """Every data-file name referenced by a committed metadata file of ``root``.
+def committed_references(
+    root: Path, names: Iterable[str] | None = None, *, dir_fd: int | None = None
+) -> set[str] | None:
+    """Every data-file name referenced by a committed metadata file of ``root`` (or of
+    the opened directory ``dir_fd``, STORE-57).
 
     None when a metadata file exists but cannot be read or parsed: then no
     reference can be ruled out and callers must not remove data files.
@@ -54,7 +58,7 @@ def committed_references(root: Path, names: Iterable[str] | None = None) -> set[
 
     if names is None:
         try:
-            names = os.listdir(root)
+            names = os.listdir(root if dir_fd is None else dir_fd)
         except OSError:
             return None
     refs: set[str] = set()
@@ -62,7 +66,8 @@ def committed_references(root: Path, names: Iterable[str] | None = None) -> set[
         if not _METADATA.match(name):
             continue
         try:
-            md = load_metadata(read_metadata_file(root / name), file=str(root / name))
+            data = read_metadata_file(at(root, name, dir_fd), dir_fd=dir_fd)
+            md = load_metadata(data, file=str(root / name))
         except FileNotFoundError:
             continue
         except Exception:
@@ -72,12 +77,13 @@ def committed_references(root: Path, names: Iterable[str] | None = None) -> set[
     return refs
 
 
-def remove_files(root: Path, names: Iterable[str]) -> list[str]:
-    """Best-effort unlink; returns the names removed (a failure is a warning)."""
+def remove_files(root: Path, names: Iterable[str], *, dir_fd: int | None = None) -> list[str]:
+    """Best-effort unlink (in the opened directory ``dir_fd`` when given); returns the
+    names removed (a failure is a warning)."""
     removed = []
     for name in names:
         try:
-            os.unlink(root / name)
+            os.unlink(at(root, name, dir_fd), dir_fd=dir_fd)
             removed.append(name)
         except FileNotFoundError:
             pass
@@ -94,6 +100,7 @@ def reclaim_orphans(
     referenced: set[str] | None = None,
     committed_name: str | None = None,
     foreign_data: bool = False,
+    dir_fd: int | None = None,
 ) -> list[str]:
     """Remove files of earlier failed or killed saves (STORE-32). Call holding the save lock.
 
@@ -110,13 +117,14 @@ def reclaim_orphans(
     ``referenced`` holds the references of the metadata file ``committed_name``
     only: those of every other committed metadata file of the directory (global
     and rank-local) are added, and no data file is removed when one of them
-    cannot be read (STORE-33).
+    cannot be read (STORE-33). With ``dir_fd``, everything happens in that opened
+    directory, whatever ``root`` names now (STORE-57).
     """
     try:
-        names = os.listdir(root)
+        names = os.listdir(root if dir_fd is None else dir_fd)
     except OSError:
         return []
-    live = live_lock_tokens(root)
+    live = live_lock_tokens(root, dir_fd=dir_fd)
     if live is None:
         return []
     live.add(own_token)
@@ -141,25 +149,27 @@ def reclaim_orphans(
         if has_metadata and len({token_of(n) for n in data}) < 2:
             data = []
         elif has_metadata:
-            referenced = committed_references(root, names)
+            referenced = committed_references(root, names, dir_fd=dir_fd)
             if referenced is None:
                 data = []
     elif data:
         others = [n for n in names if _METADATA.match(n) and n != committed_name]
-        extra = committed_references(root, others) if others else set()
+        extra = committed_references(root, others, dir_fd=dir_fd) if others else set()
         if extra is None:
             data = []
         else:
             referenced = (referenced or set()) | extra
     refs = referenced or set()
-    return remove_files(root, temps + [n for n in data if n not in refs])
+    return remove_files(root, temps + [n for n in data if n not in refs], dir_fd=dir_fd)
 
 
-def wait_until_not_live(root: Path, token: str, timeout: float) -> bool:
+def wait_until_not_live(
+    root: Path, token: str, timeout: float, *, dir_fd: int | None = None
+) -> bool:
     """True once no live lock in ``root`` has ``token`` (False after ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
     while True:
-        live = live_lock_tokens(root)
+        live = live_lock_tokens(root, dir_fd=dir_fd)
         if live is not None and token not in live:
             return True
         if time.monotonic() >= deadline:

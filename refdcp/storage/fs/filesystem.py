@@ -5,6 +5,7 @@ See spec/storage.md (STORE-*, INTEG-*) and spec/format.md (FMT-*).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -35,7 +36,13 @@ from torch.futures import Future
 from refdcp.crc.kernel import crc32c
 from refdcp.crc.pieces import write_checksummed
 from refdcp.errors import RefdcpError
-from refdcp.storage.errors import CheckpointExistsError, CorruptionError, MissingChecksumError
+from refdcp.storage.errors import (
+    CheckpointExistsError,
+    CheckpointMovedError,
+    CheckpointReplacedError,
+    CorruptionError,
+    MissingChecksumError,
+)
 from refdcp.storage.format import layout
 from refdcp.storage.format.items import (
     DATA_OFFSET_ATTR,
@@ -68,8 +75,9 @@ from refdcp.storage.fs.cleanup import (
 from refdcp.storage.fs.commit_mark import mark as mark_commit
 from refdcp.storage.fs.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.fs.lock import SaveLock, acquire_save_lock
-from refdcp.storage.fs.paths import check_data_name, open_data_file
+from refdcp.storage.fs.paths import at, check_data_name, host_identity, open_data_file, opened_dir
 from refdcp.storage.fs.paths import pread_into as _pread_into
+from refdcp.storage.fs.paths import where_is as _where_is
 from refdcp.storage.fs.small_reads import SmallItem, batches_items, read_small_items
 from refdcp.storage.fs.transforms import (
     WriteTransforms,
@@ -79,8 +87,9 @@ from refdcp.storage.fs.transforms import (
 from refdcp.storage.metadata.safe import (
     dump_metadata,
     finalize_metadata,
+    has_checksum_trailer,
     load_metadata,
-    read_metadata_file,
+    read_metadata_file_stat,
 )
 from refdcp.storage.metadata.stored_layout import check_records
 
@@ -95,12 +104,36 @@ _MAX_IOV = 512
 _ITEM_PAD = bytes(64)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path | int) -> None:
+    """fsync a directory: by path, or its open descriptor (STORE-57)."""
+    if isinstance(path, int):
+        os.fsync(path)
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _OpenedDir:
+    """The checkpoint directory a save opened once: every file of the save is created,
+    renamed and removed relative to ``fd`` (STORE-57); ``ident`` is its (device, inode)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd: int | None = opened_dir(path)
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a descriptor means nothing in another process (a writer pickled to an async
+        # save's worker): it arrives closed, and the next save opens the directory again
+        return {"fd": None, "ident": self.ident}
 
 
 def _make_dir(path: Path, sync: bool) -> None:
@@ -243,6 +276,8 @@ class _AtPath:
 class FileSystemWriter(_AtPath, StorageWriter):
     """A torch ``StorageWriter`` writing torch's layout with refdcp's commit (STORE-1..STORE-9).
 
+    Each rank opens the checkpoint directory once, in ``prepare_local_plan``, and
+    makes every file of the save relative to it (STORE-57, STORE-58).
     Data files get names unique to this save (``__{rank}_{n}.{token}.distcp``);
     ``.metadata`` is written to a temporary name, fsynced and atomically
     renamed over the old one; unreferenced files are removed after commit.
@@ -297,12 +332,31 @@ class FileSystemWriter(_AtPath, StorageWriter):
         self._token = self.save_id
         self._written: list[str] = []
         self._committed = False
+        self._dir: _OpenedDir | None = None  # opened in prepare_local_plan (STORE-57)
+
+    def _dir_fd(self) -> int | None:
+        return None if self._dir is None else self._dir.fd
+
+    def _open_dir(self) -> None:
+        self._close_dir()
+        opened = _OpenedDir(self.path)
+        self._dir = opened
+        weakref.finalize(self, opened.close)  # a dropped writer closes its descriptor
+
+    def _close_dir(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    def _fsync_dir(self) -> None:
+        dfd = self._dir_fd()
+        _fsync_dir(self.path if dfd is None else dfd)
 
     # -- locking and cleanup (STORE-29..STORE-33) ---------------------------------------------
     def _take_lock(self) -> None:
         self._release_lock()
         name = layout.rank_metadata_name(self._metadata_rank())
-        lock = acquire_save_lock(self.path, name, self.save_id)
+        lock = acquire_save_lock(self.path, name, self.save_id, dir_fd=self._dir_fd())
         self._lock = lock
         weakref.finalize(self, lock.release)  # a writer dropped after a failure frees its lock
 
@@ -322,31 +376,34 @@ class FileSystemWriter(_AtPath, StorageWriter):
         coordinator removes every rank's files of this save (they share its
         token); another rank removes its own once the save's lock is free.
         """
+        dfd = self._dir_fd()
         try:
             if self._lock is not None:
                 names = self._token_files(self._token) if not self._committed else []
                 if self._committed or names:
-                    refs = committed_references(self.path)
+                    refs = committed_references(self.path, dir_fd=dfd)
                     if refs is not None:
-                        remove_files(self.path, [n for n in names if n not in refs])
+                        remove_files(self.path, [n for n in names if n not in refs], dir_fd=dfd)
                 remove_files(
                     self.path,
                     [
                         layout.metadata_temp_name(self._metadata_rank(), t)
                         for t in {self.save_id, self._token}
                     ],
+                    dir_fd=dfd,
                 )
-            elif self._written and wait_until_not_live(self.path, self._token, 1.0):
-                refs = committed_references(self.path)
+            elif self._written and wait_until_not_live(self.path, self._token, 1.0, dir_fd=dfd):
+                refs = committed_references(self.path, dir_fd=dfd)
                 if refs is not None:
-                    remove_files(self.path, [n for n in self._written if n not in refs])
+                    remove_files(self.path, [n for n in self._written if n not in refs], dir_fd=dfd)
         finally:
             self._written = []
             self._release_lock()
 
     def _token_files(self, token: str) -> list[str]:
         try:
-            names = os.listdir(self.path)
+            dfd = self._dir_fd()
+            names = os.listdir(self.path if dfd is None else dfd)
         except OSError:
             return []
         prefix = self._own_prefix()
@@ -361,6 +418,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._release_lock()
+        self._close_dir()
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.save_id = layout.new_save_token()
@@ -380,20 +438,42 @@ class FileSystemWriter(_AtPath, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         _make_dir(self.path, self.sync_files)
-        existing = self.path / layout.rank_metadata_name(self._metadata_rank())
-        if existing.exists() and not self.overwrite:
+        self._open_dir()  # resolved once: the save's files all go there (STORE-57)
+        dfd = self._dir_fd()
+        existing = layout.rank_metadata_name(self._metadata_rank())
+        if _exists(at(self.path, existing, dfd), dfd) and not self.overwrite:
             raise CheckpointExistsError(
                 f"a committed checkpoint already exists at {self.path} and overwrite=False"
             )
         if self.is_coordinator or not self.use_collectives:
             self._take_lock()  # STORE-29: before any rank writes a data file
-            reclaim_orphans(self.path, own_token=self.save_id, rank_prefix=self._own_prefix())
+            reclaim_orphans(
+                self.path, own_token=self.save_id, rank_prefix=self._own_prefix(), dir_fd=dfd
+            )
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return layout.with_save_token(layout.assign_rank_prefixes(plans), self.save_id)
+        directory = None if self._dir is None else (*self._dir.ident, host_identity())
+        return layout.with_save_token(
+            layout.assign_rank_prefixes(plans), self.save_id, directory=directory
+        )
+
+    def _check_same_directory(self, plan: SavePlan) -> None:
+        """Refuse to write when this rank opened another directory than the coordinator
+        did (on the same host): the path was re-pointed during the save (STORE-57)."""
+        expected = layout.plan_directory(plan)
+        if expected is None or self._dir is None:
+            return
+        dev, ino, host = expected
+        if host == host_identity() and (dev, ino) != self._dir.ident:
+            raise CheckpointMovedError(
+                f"rank {self.rank}: {self.path} named another directory when this rank opened it "
+                f"({_where_is(self._dir.fd) if self._dir.fd is not None else '?'}) than when "
+                "the coordinator did: the path was re-pointed during the save; this rank "
+                "wrote nothing and the save does not commit"
+            )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -401,13 +481,14 @@ class FileSystemWriter(_AtPath, StorageWriter):
         except BaseException:
             # this rank's files of this save are never committed data: remove them now
             # (STORE-31), e.g. after ENOSPC, so the space is free again
-            remove_files(self.path, self._written)
+            remove_files(self.path, self._written, dir_fd=self._dir_fd())
             self._written = []
             if self._lock is not None:
                 self._release_lock()  # the coordinator's write failed: this save cannot commit
             raise
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._check_same_directory(plan)
         prefix = layout.plan_prefix(plan)
         self._token = layout.plan_token(plan) or self.save_id
         if self.single_file_per_rank:
@@ -425,7 +506,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         else:
             per_file = [self._write_file(name, items, planner) for name, items in jobs]
         if self.sync_files:
-            _fsync_dir(self.path)
+            self._fsync_dir()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for results in per_file for r in results])
         return fut
@@ -434,7 +515,10 @@ class FileSystemWriter(_AtPath, StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
-        fd = os.open(self.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        dfd = self._dir_fd()
+        fd = os.open(
+            at(self.path, name, dfd), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd
+        )
         self._written.append(name)
         try:
             out = _FileOut(fd)
@@ -488,10 +572,11 @@ class FileSystemWriter(_AtPath, StorageWriter):
             mark_commit(exc, False)  # SAVE-16: before the rename
             raise
         rank = self._metadata_rank()
-        tmp = self.path / layout.metadata_temp_name(rank, self.save_id)
-        final = self.path / layout.rank_metadata_name(rank)
+        dfd = self._dir_fd()  # STORE-57: the directory the data went to, whatever the path names
+        tmp = at(self.path, layout.metadata_temp_name(rank, self.save_id), dfd)
+        final = at(self.path, layout.rank_metadata_name(rank), dfd)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
             try:
                 out = _FileOut(fd)
                 out.write([blob])
@@ -501,14 +586,15 @@ class FileSystemWriter(_AtPath, StorageWriter):
             finally:
                 os.close(fd)
             if self.sync_files:
-                _fsync_dir(self.path)
-            os.replace(tmp, final)  # the commit point (STORE-1)
+                self._fsync_dir()
+            os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)  # the commit point (STORE-1)
             self._committed = True
         except BaseException as exc:
             if not self._committed:
                 mark_commit(exc, False)  # SAVE-16: the rename did not happen
             try:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
                 if not self._committed:
                     self.abort_save()  # nothing was committed: remove every rank's files (STORE-31)
             except BaseException as later:  # the clean-up failed too: still not committed
@@ -517,14 +603,34 @@ class FileSystemWriter(_AtPath, StorageWriter):
             raise
         try:
             if self.sync_files:
-                _fsync_dir(self.path)
+                self._fsync_dir()
             self._clean_up(storage_md)
+            self._check_still_named()
         except BaseException as exc:
             mark_commit(exc, True)  # renamed into place: committed and loadable (SAVE-16)
             raise
         finally:
             self._written = []
             self._release_lock()  # committed: the save is over even if the fsync failed
+
+    def _check_still_named(self) -> None:
+        """After the commit: raise, committed, when the path no longer names the directory
+        the checkpoint was committed in, saying where it is (STORE-58)."""
+        if self._dir is None or self._dir.fd is None:
+            return
+        try:
+            st = os.stat(self.path)
+            now = (st.st_dev, st.st_ino)
+        except OSError:
+            now = None
+        if now == self._dir.ident:
+            return
+        named = "nothing" if now is None else "another directory, which this save left untouched"
+        raise CheckpointMovedError(
+            f"the checkpoint was committed in the directory this save opened as {self.path}, "
+            f"which is now {_where_is(self._dir.fd)}; {self.path} was re-pointed or renamed "
+            f"during the save and now names {named}: load the checkpoint from where it is"
+        )
 
     def _clean_up(self, storage_md: dict[Any, Any]) -> None:
         """Remove data and temp files the committed metadata does not reference (STORE-5),
@@ -541,6 +647,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
             rank_prefix=self._own_prefix(),
             referenced=keep,
             foreign_data=True,
+            dir_fd=self._dir_fd(),
         )
 
     def storage_meta(self) -> StorageMeta | None:
@@ -571,6 +678,11 @@ class FileSystemReader(_AtPath, StorageReader):
         self._chunks: ChunkIndex | None = None
         self._verified: set[tuple[str, int]] = set()
         self._delivered: list[str] = []  # fqns delivered by the read in progress (LOAD-20)
+        #: the .metadata this load read, and its identity: what a missing data file is
+        #: compared with to tell a concurrent commit from damage (LOAD-22)
+        self._metadata_name = layout.METADATA_NAME
+        self._metadata_ident: tuple[int, ...] | None = None
+        self._metadata_stamp: layout.MetadataStamp | None = None
 
     def set_verify(self, verify: bool | None) -> None:
         """True: check every item before delivering it, requiring checksums (INTEG-4);
@@ -586,7 +698,10 @@ class FileSystemReader(_AtPath, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         name = layout.rank_metadata_name(kwargs.get("rank"))
-        data = read_metadata_file(self.path / name)  # bounded, regular file only (FMT-10)
+        # bounded, regular file only (FMT-10)
+        data, st = read_metadata_file_stat(self.path / name)
+        self._metadata_name, self._metadata_ident = name, _identity(st)
+        self._metadata_stamp = _stamp(data)
         metadata = load_metadata(data, file=str(self.path / name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -607,9 +722,20 @@ class FileSystemReader(_AtPath, StorageReader):
         self._verified = set()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if self._metadata_stamp is None or plan.storage_data is not None:
+            return plan
+        return dataclasses.replace(plan, storage_data=self._metadata_stamp)  # LOAD-23
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Refuse, before anything is read, a load whose ranks read different committed
+        ``.metadata`` files: a save committed between their reads (LOAD-23)."""
+        stamps = {p.storage_data for p in plans if isinstance(p.storage_data, layout.MetadataStamp)}
+        if len(stamps) > 1:
+            raise CheckpointReplacedError(
+                f"{self.path}: the checkpoint was replaced while this load ran: its ranks read "
+                f"{len(stamps)} different committed {self._metadata_name} files (a save "
+                "committed between their reads); nothing was read, load again"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -619,7 +745,7 @@ class FileSystemReader(_AtPath, StorageReader):
         self._delivered = []
         try:
             self._read_plan(plan, planner)
-        except CorruptionError as exc:
+        except (CorruptionError, CheckpointReplacedError) as exc:
             exc.name_overwritten(self._delivered)
             raise
         finally:
@@ -642,7 +768,7 @@ class FileSystemReader(_AtPath, StorageReader):
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
             check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
-            fd = open_data_file(self.path, relative_path)  # STORE-27: regular files only
+            fd = self._open_data(relative_path, reqs[0][1])  # STORE-27: regular files only
             try:
                 size = os.fstat(fd).st_size
                 prepared: list[tuple[ReadItem, Any, SmallItem | None]] = []
@@ -660,6 +786,29 @@ class FileSystemReader(_AtPath, StorageReader):
             finally:
                 os.close(fd)
 
+    def _open_data(self, relative_path: str, req: ReadItem) -> int:
+        """Open a data file; a missing one is a concurrent commit when ``.metadata`` is no
+        longer the file this load read, else damage (LOAD-22)."""
+        try:
+            return open_data_file(self.path, relative_path)
+        except FileNotFoundError:
+            pass
+        try:
+            now: tuple[int, ...] | None = _identity(os.stat(self.path / self._metadata_name))
+        except OSError:
+            now = None
+        if self._metadata_ident is not None and now != self._metadata_ident:
+            raise CheckpointReplacedError(
+                f"{self.path}: the checkpoint was replaced while this load ran: a save "
+                f"committed a new {self._metadata_name} and removed the data file "
+                f"{relative_path!r} of the one this load started from (item "
+                f"{req.storage_index.fqn!r}); no value of the new checkpoint was read, "
+                "load again to read it"
+            ) from None
+        raise CorruptionError(
+            "data file missing", fqn=req.storage_index.fqn, file=relative_path, offset=0
+        ) from None
+
     def _read_transformed(
         self, per_file: dict[str, list[tuple[int, ReadItem, Any]]], planner: LoadPlanner
     ) -> None:
@@ -671,7 +820,7 @@ class FileSystemReader(_AtPath, StorageReader):
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
             check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
-            fd = open_data_file(self.path, relative_path)  # STORE-27: regular files only
+            fd = self._open_data(relative_path, reqs[0][1])  # STORE-27: regular files only
             try:
                 for _, req, info in reqs:
                     chunk = None
@@ -879,6 +1028,28 @@ class FileSystemReader(_AtPath, StorageReader):
             read_checked_into(fd, view, info, fqn, file)
         else:
             _read_exact(fd, view, start, fqn, file)
+
+
+def _stamp(data: bytes) -> layout.MetadataStamp:
+    """The size and CRC-32C of ``.metadata`` bytes: refdcp's trailer when it has one (its
+    checked CRC, INTEG-2), else computed (LOAD-23)."""
+    if has_checksum_trailer(data):
+        return layout.MetadataStamp(len(data), int(data[-9:-1], 16))
+    return layout.MetadataStamp(len(data), crc32c(data))
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one committed ``.metadata`` from the next: a commit renames a new file
+    (new inode, new change time) over the old one (LOAD-22)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _exists(name: str | Path, dir_fd: int | None) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _refuse_torch_only_options(serialization_format: Any) -> None:

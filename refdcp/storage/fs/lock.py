@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from refdcp.storage.errors import ConcurrentSaveError, UnsafePathError
-from refdcp.storage.fs.paths import open_regular
+from refdcp.storage.fs.paths import at, open_regular
 
 __all__ = ["SaveLock", "acquire_save_lock", "live_lock_tokens", "lock_name"]
 
@@ -80,25 +80,34 @@ def _read_info(fd: int) -> dict[str, Any]:
 
 @dataclass
 class SaveLock:
-    """A held save lock; ``release()`` removes it (idempotent)."""
+    """A held save lock; ``release()`` removes it (idempotent).
+
+    ``dir_fd``: the lock's own duplicate of the directory descriptor the lock was
+    taken in (STORE-57), closed on release; None when taken by path.
+    """
 
     path: Path
     fd: int | None
     token: str
+    dir_fd: int | None = None
 
     def release(self) -> None:
         if self.fd is None:
             return
         fd, self.fd = self.fd, None
+        dir_fd, self.dir_fd = self.dir_fd, None
+        name = at(self.path.parent, self.path.name, dir_fd)
         try:
-            st = os.stat(self.path)
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             mine = os.fstat(fd)
             if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(self.path)
+                os.unlink(name, dir_fd=dir_fd)
         except OSError:
             pass
         finally:
             os.close(fd)
+            if dir_fd is not None:
+                os.close(dir_fd)
 
     @property
     def held(self) -> bool:
@@ -129,15 +138,20 @@ def _flock(fd: int) -> bool | None:
         raise
 
 
-def _create(path: Path, token: str) -> int | None:
+def _create(path: Path, token: str, dir_fd: int | None) -> int | None:
     """Make ``path`` appear atomically, locked and filled; None when it already exists."""
-    private = path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.new")
-    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    private = at(path.parent, f"{path.name}.{uuid.uuid4().hex[:12]}.new", dir_fd)
+    name = at(path.parent, path.name, dir_fd)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd = os.open(private, flags, 0o644, dir_fd=dir_fd)
     try:
         _flock(fd)
         os.write(fd, _payload(token))
         try:
-            os.link(private, path)
+            if dir_fd is None:
+                os.link(private, name)
+            else:
+                os.link(private, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except FileExistsError:
             os.close(fd)
             return None
@@ -145,19 +159,20 @@ def _create(path: Path, token: str) -> int | None:
             if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
                 raise
             os.close(fd)
-            return _create_excl(path, token)
+            return _create_excl(name, token, dir_fd)
         return fd
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
     finally:
-        private.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(private, dir_fd=dir_fd)
 
 
-def _create_excl(path: Path, token: str) -> int | None:
+def _create_excl(name: str | Path, token: str, dir_fd: int | None) -> int | None:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     except FileExistsError:
         return None
     _flock(fd)
@@ -165,24 +180,30 @@ def _create_excl(path: Path, token: str) -> int | None:
     return fd
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def _same_file(fd: int, name: str | Path, dir_fd: int | None) -> bool:
     try:
-        st = os.lstat(path)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def acquire_save_lock(root: Path, metadata_name: str, token: str) -> SaveLock:
-    """Take the save lock of ``root`` or raise ``ConcurrentSaveError`` naming the holder (STORE-29)."""
+def acquire_save_lock(
+    root: Path, metadata_name: str, token: str, *, dir_fd: int | None = None
+) -> SaveLock:
+    """Take the save lock of ``root`` or raise ``ConcurrentSaveError`` naming the holder
+    (STORE-29); with ``dir_fd``, in that opened directory whatever ``root`` names now
+    (STORE-57)."""
     path = root / lock_name(metadata_name)
+    name = at(root, lock_name(metadata_name), dir_fd)
     for _ in range(100):
-        fd = _create(path, token)
+        fd = _create(path, token, dir_fd)
         if fd is not None:
-            return SaveLock(path, fd, token)
+            return _held(path, fd, token, dir_fd)
         try:
-            fd = open_regular(path, os.O_RDWR)  # a planted link or FIFO is refused (STORE-56)
+            # a planted link or FIFO is refused (STORE-56)
+            fd = open_regular(name, os.O_RDWR, dir_fd=dir_fd)
         except FileNotFoundError:
             continue  # released meanwhile: try to create it again
         try:
@@ -192,7 +213,7 @@ def acquire_save_lock(root: Path, metadata_name: str, token: str) -> SaveLock:
                     f"another save into {root} is in progress ({_describe(_read_info(fd))}); "
                     f"this save was refused before writing anything (lock file {path})"
                 )
-            if not _same_file(fd, path):
+            if not _same_file(fd, name, dir_fd):
                 os.close(fd)
                 continue  # the holder released it between our open and flock: start over
             if got is None and not _stale_without_flock(_read_info(fd)):
@@ -204,12 +225,21 @@ def acquire_save_lock(root: Path, metadata_name: str, token: str) -> SaveLock:
             # stale: the holder died (its flock went with it); take the lock over in place
             os.ftruncate(fd, 0)
             os.pwrite(fd, _payload(token), 0)
-            return SaveLock(path, fd, token)
+            return _held(path, fd, token, dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise
     raise ConcurrentSaveError(f"could not take {path}: it kept changing hands")
+
+
+def _held(path: Path, fd: int, token: str, dir_fd: int | None) -> SaveLock:
+    try:
+        own_dir = None if dir_fd is None else os.dup(dir_fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SaveLock(path, fd, token, own_dir)
 
 
 def _stale_without_flock(info: dict[str, Any]) -> bool:
@@ -222,20 +252,23 @@ def _stale_without_flock(info: dict[str, Any]) -> bool:
     )
 
 
-def live_lock_tokens(root: Path) -> set[str] | None:
-    """Tokens of the saves holding a lock in ``root`` now; None when that cannot be told.
+def live_lock_tokens(root: Path, *, dir_fd: int | None = None) -> set[str] | None:
+    """Tokens of the saves holding a lock in ``root`` (or the opened directory ``dir_fd``)
+    now; None when that cannot be told.
 
     A lock is live when its ``flock`` is held; it is probed with a shared
     ``flock``, so probing never blocks or steals a lock (STORE-31).
     """
     tokens: set[str] = set()
     try:
-        names = [n for n in os.listdir(root) if n.endswith(LOCK_SUFFIX)]
+        names = [
+            n for n in os.listdir(root if dir_fd is None else dir_fd) if n.endswith(LOCK_SUFFIX)
+        ]
     except OSError:
         return None
     for name in names:
         try:
-            fd = open_regular(root / name, os.O_RDONLY)
+            fd = open_regular(at(root, name, dir_fd), os.O_RDONLY, dir_fd=dir_fd)
         except (FileNotFoundError, UnsafePathError):
             continue  # gone, or a link or FIFO: never a save's lock (STORE-56)
         except OSError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -21,12 +22,16 @@ from refdcp.storage.format.layout import MAX_NAME_BYTES, METADATA_NAME, check_da
 
 __all__ = [
     "MAX_NAME_BYTES",
+    "at",
     "check_data_name",
     "holds_safetensors_only",
+    "host_identity",
     "open_data_file",
     "open_regular",
+    "opened_dir",
     "pread_exact",
     "pread_into",
+    "where_is",
 ]
 
 
@@ -42,16 +47,19 @@ def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None =
     return open_regular(Path(root) / name, os.O_RDONLY)
 
 
-def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
+def open_regular(
+    path: str | os.PathLike[str], flags: int, mode: int = 0o644, *, dir_fd: int | None = None
+) -> int:
     """Open ``path`` with ``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``; refuse a
     symbolic link or anything but a regular file with ``UnsafePathError`` (STORE-27, STORE-56).
 
     The type is checked with ``fstat`` on the opened descriptor, so nothing can be
-    swapped in between; a FIFO never blocks the open.
+    swapped in between; a FIFO never blocks the open. With ``dir_fd``, ``path`` is a
+    name in that opened directory (STORE-57).
     """
     flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, mode)
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(
@@ -69,6 +77,37 @@ def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o644) ->
             f"{path}: is not a regular file ({_kind(st_mode)}); refusing to open it"
         )
     return fd
+
+
+def opened_dir(path: str | os.PathLike[str]) -> int:
+    """A descriptor of the directory ``path`` names now (``O_DIRECTORY``), which a save
+    keeps and creates, renames and removes every file relative to (STORE-57)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def host_identity() -> str:
+    """This host and boot: device and inode numbers compare only within one (STORE-57)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def where_is(dir_fd: int) -> str:
+    """Where the opened directory is now, as the kernel names it (Linux), else a
+    description by device and inode."""
+    try:
+        return os.readlink(f"/proc/self/fd/{dir_fd}")
+    except OSError:
+        st = os.fstat(dir_fd)
+        return f"the directory with device {st.st_dev} and inode {st.st_ino}"
+
+
+def at(root: Path, name: str, dir_fd: int | None) -> str | Path:
+    """``name`` relative to ``dir_fd`` when given, else ``root / name``."""
+    return name if dir_fd is not None else root / name
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> int:

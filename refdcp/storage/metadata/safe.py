@@ -46,6 +46,7 @@ __all__ = [
     "has_checksum_trailer",
     "load_metadata",
     "read_metadata_file",
+    "read_metadata_file_stat",
     "safe_loads",
 ]
 
@@ -252,15 +253,32 @@ def safe_loads(data: bytes, limits: MetadataLimits | None = None) -> Any:
         unpickler._classes.clear()
 
 
-def read_metadata_file(path: str | os.PathLike[str], limits: MetadataLimits | None = None) -> bytes:
+def read_metadata_file(
+    path: str | os.PathLike[str],
+    limits: MetadataLimits | None = None,
+    *,
+    dir_fd: int | None = None,
+) -> bytes:
     """The bytes of a ``.metadata`` file, refusing one larger than the cap unread (FMT-10).
 
     Opens without following a symbolic link or blocking, refuses anything but
     a regular file, checks the size with ``fstat`` before reading and never
-    reads more than the cap (a file growing meanwhile is refused too).
+    reads more than the cap (a file growing meanwhile is refused too). With
+    ``dir_fd``, ``path`` is a name in that opened directory.
     """
+    return read_metadata_file_stat(path, limits, dir_fd=dir_fd)[0]
+
+
+def read_metadata_file_stat(
+    path: str | os.PathLike[str],
+    limits: MetadataLimits | None = None,
+    *,
+    dir_fd: int | None = None,
+) -> tuple[bytes, os.stat_result]:
+    """:func:`read_metadata_file`, with the ``fstat`` of the file it read: what a load
+    compares the path with later to tell whether the checkpoint was replaced (LOAD-22)."""
     limits = limits or get_metadata_limits()
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -283,7 +301,7 @@ def read_metadata_file(path: str | os.PathLike[str], limits: MetadataLimits | No
                 raise UnsafeMetadataError(
                     f"{path}: grew past the metadata size limit of {limits.max_file_bytes} bytes"
                 )
-        return b"".join(chunks)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
 
