@@ -33,6 +33,9 @@ class Capabilities:
       every check then drives one rank per location (CONF-55).
     * ``bytes_items``: the backend stores bytes items (``BytesIO``, pickled
       objects) besides tensors (CONF-13). Only CONF-13 saves them (CONF-52).
+    * ``process_async``: a writer survives pickling and its unpickled copy saves
+      where the original would, as torch's process-based ``async_save`` needs
+      (CONF-64). Declare False for storage a pickled copy cannot share (in-memory).
     """
 
     overwrite: bool = True
@@ -41,6 +44,7 @@ class Capabilities:
     thread_count: bool = False
     shared_location: bool = True
     bytes_items: bool = True
+    process_async: bool = True
 
 
 @runtime_checkable

@@ -106,12 +106,14 @@ def save_ranks(
     fault: Fault | None = None,
     before_finish: Callable[[], None] | None = None,
     trace: SaveTrace | None = None,
+    save_planners: Sequence[DefaultSavePlanner] | None = None,
 ) -> Metadata:
     """Save ``state_dicts[r]`` through ``writers[r]`` for every rank r; return the metadata.
 
     With ``reset``, each writer first receives ``reset(checkpoint_id)``.
     ``before_finish`` runs after every rank's data is written and before the
-    coordinator's ``finish`` (CONF-21).
+    coordinator's ``finish`` (CONF-21). ``save_planners`` replaces torch's
+    ``DefaultSavePlanner`` per rank (the coverage cases add chunk items, CONF-61).
     """
     tr = trace if trace is not None else SaveTrace()
     planners: list[DefaultSavePlanner] = []
@@ -123,6 +125,8 @@ def save_ranks(
         planner: DefaultSavePlanner
         if fault is not None and fault.step == "write_data:inside" and fault.rank == rank:
             planner = _FaultySavePlanner()
+        elif save_planners is not None:
+            planner = save_planners[rank]
         else:
             planner = DefaultSavePlanner()
         # torch 2.13's order (spec/protocol.md, writer contract): storage_meta, the
