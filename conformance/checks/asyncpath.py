@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from conformance.checks.common import load_into, sample_sd
-from conformance.checks.crossed import where
+from conformance.checks.crossed import explain
 from conformance.drive import save_ranks
 from conformance.registry import (
     CheckFailed,
@@ -47,7 +47,7 @@ def _loads_back(ctx: Context, loc: Any, truth: dict[str, Any], req: str, point: 
         if not backend_error(exc):
             raise
         raise CheckFailed(
-            f"{req}: {point}: the load after the save raised {describe(exc)}{where(exc)}; "
+            f"{req}: {point}: the load after the save raised {explain(exc)}; "
             "expected the saved checkpoint"
         ) from exc
     try:
@@ -94,7 +94,7 @@ def process_pickling(ctx: Context) -> None:
                 raise
             raise CheckFailed(
                 f"CONF-64: {point}: the save through its unpickled copy raised "
-                f"{describe(exc)}{where(exc)}; expected it to save like the original"
+                f"{explain(exc)}; expected it to save like the original"
             ) from exc
         _loads_back(ctx, loc, truth, "CONF-64", f"{point}, saved through its unpickled copy")
 
@@ -108,7 +108,7 @@ def _wait(fut: Any, what: str, req: str, point: str) -> Any:
         if not backend_error(exc):
             raise
         raise CheckFailed(
-            f"{req}: {point}: {what} raised {describe(exc)}{where(exc)}; expected it to complete"
+            f"{req}: {point}: {what} raised {explain(exc)}; expected it to complete"
         ) from exc
 
 
@@ -136,7 +136,7 @@ def _start(
         if not backend_error(exc):
             raise
         raise CheckFailed(
-            f"{req}: {point}: torch's async_save raised {describe(exc)}{where(exc)} before "
+            f"{req}: {point}: torch's async_save raised {explain(exc)} before "
             "returning (while staging); expected it to return its futures"
         ) from exc
     tick()
@@ -230,9 +230,13 @@ def response_shape(ctx: Context) -> None:
     if isinstance(staged, concurrent.futures.Future):
         staged = _wait(staged, "the Future stage() returned", "CONF-67", point)
     elif not isinstance(staged, dict):
+        kind = (
+            "torch.futures.Future"
+            if isinstance(staged, torch.futures.Future)
+            else f"{type(staged).__module__}.{type(staged).__qualname__}"
+        )
         raise CheckFailed(
-            f"CONF-67: {point}: stage() returned {type(staged).__module__}."
-            f"{type(staged).__qualname__}; expected a state dict or a "
+            f"CONF-67: {point}: stage() returned {kind}; expected a state dict or a "
             "concurrent.futures.Future of one (torch's async_save hands anything else to save "
             "as if it were the state dict)"
         )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -45,7 +46,7 @@ from conformance.registry import (
 )
 from conformance.truth import assert_same, bits, blank_like
 
-__all__ = ["caller_state", "containment", "crossed_cases", "where"]
+__all__ = ["caller_state", "containment", "crossed_cases", "explain", "where"]
 
 
 def where(exc: BaseException) -> str:
@@ -54,13 +55,29 @@ def where(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return ""
-    last = frames[-1]
-    parts = Path(last.filename).parts
+    return _frame_owner(frames[-1].filename, frames[-1].lineno)
+
+
+def _frame_owner(filename: str, lineno: int | None) -> str:
+    parts = Path(filename).parts
     owner = "torch" if "torch" in parts else "the backend or the suite"
     if "conformance" in parts and "torch" not in parts:
         owner = "the suite"
-    short = "/".join(parts[-3:])
-    return f" (raised in {owner} at {short}:{last.lineno})"
+    return f" (raised in {owner} at {'/'.join(parts[-3:])}:{lineno})"
+
+
+def explain(exc: BaseException) -> str:
+    """``Type: message (raised in ... at file:line)``; for torch's ``CheckpointException``,
+    each rank's own exception and where it was raised, which its message omits (CONF-68)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            inner, stack = wrapped if isinstance(wrapped, tuple) else (wrapped, None)
+            at = _frame_owner(stack[-1].filename, stack[-1].lineno) if stack else ""
+            parts.append(f"rank {rank}: {describe(inner)}{at}")
+        return "torch's CheckpointException wrapping " + "; ".join(parts)
+    return f"{describe(exc)}{where(exc)}"
 
 
 class _Step(Exception):
@@ -228,7 +245,7 @@ def _round_trip(ctx: Context, case: Case) -> str | None:
     except _Step as failed:
         return (
             f"{describe_case(case, built)}: {failed.step} raised "
-            f"{describe(failed.exc)}{where(failed.exc)}; expected it to succeed"
+            f"{explain(failed.exc)}; expected it to succeed"
         )
     finally:
         for path in extra:
@@ -240,6 +257,8 @@ def _summary(req: str, cases: list[Case], failed: list[tuple[Case, str]]) -> str
     the failing cases apart from the passing ones."""
     bad = {c.number for c, _ in failed}
     passing = [c for c in cases if c.number not in bad]
+    if not passing:
+        return f"{req}: every one of the {len(cases)} cases fails. First: {failed[0][1]}"
     common = set.intersection(*(set(c.values.items()) for c, _ in failed))
     apart = [
         dv
@@ -362,7 +381,7 @@ def _contained(ctx: Context, case: Case, made: list[Path], errors: list[str]) ->
     except BaseException as exc:
         if not backend_error(exc):
             raise
-        errors.append(describe(exc))
+        errors.append(explain(exc))
         return None
     built = build(case, seed=SEED * 100 + case.number)
     loc, scratch = ctx.location_in_scratch()
@@ -377,7 +396,7 @@ def _contained(ctx: Context, case: Case, made: list[Path], errors: list[str]) ->
     except BaseException as exc:
         if not backend_error(exc):
             raise
-        errors.append(describe(exc))
+        errors.append(explain(exc))
         before = {}
     path = location_path(loc)
     allowed = path if path is not None and ctx.root.resolve() in path.parents else scratch.resolve()
@@ -405,7 +424,7 @@ def _contained(ctx: Context, case: Case, made: list[Path], errors: list[str]) ->
             raise
         return (
             f"{describe_case(case, built)}: after the save, loading the neighbouring checkpoint "
-            f"raised {describe(exc)}{where(exc)}; expected it unchanged and loadable"
+            f"raised {explain(exc)}; expected it unchanged and loadable"
         )
     return None
 
@@ -437,7 +456,7 @@ def caller_state(ctx: Context) -> None:
         except BaseException as exc:
             if not backend_error(exc):
                 raise
-            errors.append(describe(exc))
+            errors.append(explain(exc))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         after = _fingerprint(built)

@@ -14,9 +14,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from conformance.checks.common import roundtrip, save_at
-from conformance.checks.crossed import where
+from conformance.checks.crossed import explain
 from conformance.drive import load_ranks
-from conformance.registry import CheckFailed, Context, backend_error, describe, spec
+from conformance.registry import CheckFailed, Context, backend_error, spec
 from conformance.truth import DTYPES, bits, finite_tensor, rand_tensor, special_values
 
 
@@ -187,7 +187,7 @@ def _load_boxes(ctx: Context, loc: Any, truth: dict[str, Any], boxes: Boxes, req
             raise
         # an IndexError or a shape error raised inside torch says nothing on its own (CONF-68)
         raise CheckFailed(
-            f"{req}: {point}: the load raised {describe(exc)}{where(exc)}; expected exactly "
+            f"{req}: {point}: the load raised {explain(exc)}; expected exactly "
             "those sub-boxes of the saved tensors"
         ) from exc
     for (fqn, offsets), got in planner.dest.items():
