@@ -197,8 +197,8 @@ def _load_boxes(ctx: Context, loc: Any, truth: dict[str, Any], boxes: Boxes, req
         if bits(got) != bits(want):
             raise CheckFailed(
                 f"{req}: {point}: {fqn} box at offsets {offsets} of size {tuple(got.shape)} "
-                f"read {bits(got)[:8].hex()}..., saved {bits(want)[:8].hex()}...; expected "
-                "the saved sub-box"
+                f"differs from the saved data: read {bits(got)[:8].hex()}..., saved "
+                f"{bits(want)[:8].hex()}...; expected the saved sub-box"
             )
 
 
