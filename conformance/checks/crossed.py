@@ -35,7 +35,7 @@ from conformance.coverage import (
     reshard_boxes,
     unfold,
 )
-from conformance.drive import load_ranks, save_ranks
+from conformance.drive import clear_last_call, last_call, load_ranks, save_ranks
 from conformance.registry import (
     CheckFailed,
     Context,
@@ -58,12 +58,18 @@ def where(exc: BaseException) -> str:
     return _frame_owner(frames[-1].filename, frames[-1].lineno)
 
 
+_SUITE = Path(__file__).resolve().parents[1]
+_BACKENDS = (_SUITE / "examples", _SUITE / "matrix", _SUITE / "backends.py")
+
+
 def _frame_owner(filename: str, lineno: int | None) -> str:
-    parts = Path(filename).parts
-    owner = "torch" if "torch" in parts else "the backend or the suite"
-    if "conformance" in parts and "torch" not in parts:
+    path = Path(filename).resolve()
+    owner = "the backend"
+    if "torch" in path.parts:
+        owner = "torch"
+    elif _SUITE in path.parents and not any(p == path or p in path.parents for p in _BACKENDS):
         owner = "the suite"
-    return f" (raised in {owner} at {'/'.join(parts[-3:])}:{lineno})"
+    return f" (raised in {owner} at {'/'.join(path.parts[-3:])}:{lineno})"
 
 
 def explain(exc: BaseException) -> str:
@@ -90,12 +96,14 @@ class _Step(Exception):
 
 
 def _run(step: str, fn: Callable[[], Any]) -> Any:
+    clear_last_call()
     try:
         return fn()
     except BaseException as exc:
         if not backend_error(exc):
             raise
-        raise _Step(step, exc) from exc
+        call = last_call()
+        raise _Step(f"{step} ({call})" if call else step, exc) from exc
 
 
 def _writers(ctx: Context, case: Case, location: Any) -> list[StorageWriter]:
