@@ -38,6 +38,9 @@ class Capabilities:
     * ``why``: ``(capability, reason)`` pairs saying why a capability is not
       declared or a dtype is left out; a not-applicable result quotes the reason
       (CONF-69). A profile (``conformance/profiles.py``) fills it in.
+    * ``process_async``: a writer survives pickling and its unpickled copy saves
+      where the original would, as torch's process-based ``async_save`` needs
+      (CONF-64). Declare False for storage a pickled copy cannot share (in-memory).
     """
 
     overwrite: bool = True
@@ -52,6 +55,8 @@ class Capabilities:
     def reason(self, capability: str) -> str:
         """Why ``capability`` is not declared, or ``""`` when no reason was given."""
         return dict(self.why).get(capability, "")
+
+    process_async: bool = True
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,9 @@ class RefdcpMemory:
     """refdcp's MemoryStorage; one storage shared by every location of a run."""
 
     name: str = "refdcp MemoryStorage"
-    capabilities: Capabilities = field(default_factory=lambda: Capabilities(atomic_overwrite=True))
+    capabilities: Capabilities = field(
+        default_factory=lambda: Capabilities(atomic_overwrite=True, process_async=False)
+    )
     _counter: Any = field(default_factory=itertools.count)
     _storage: Any = None
 
@@ -121,6 +123,9 @@ class TorchFsspec:
     def __post_init__(self) -> None:
         if not self.name:
             self.name = f"torch FsspecWriter/FsspecReader ({self.protocol}://)"
+        if self.protocol == "memory":
+            # memory:// is per process: a pickled writer in a spawned process saves elsewhere
+            self.capabilities = replace(self.capabilities, process_async=False)
 
     def new_location(self, scratch: Path) -> Any:
         if self.protocol == "file":

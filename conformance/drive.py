@@ -12,6 +12,7 @@ as DCP does after gathering the failures.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ __all__ = [
     "Fault",
     "InjectedFault",
     "SaveTrace",
+    "clear_last_call",
+    "last_call",
     "load_ranks",
     "save_ranks",
 ]
@@ -92,6 +95,25 @@ class _FaultySavePlanner(DefaultSavePlanner):
         raise InjectedFault(f"injected: resolve_data({write_item.index.fqn}) failed")
 
 
+_last = threading.local()
+
+
+def _at(rank: int, call: str) -> None:
+    """Note the backend call this thread is about to make, for :func:`last_call`."""
+    _last.call = f"rank {rank}'s {call}"
+
+
+def last_call() -> str:
+    """The backend call this thread made last through the driver, e.g. "rank 1's read_data"
+    (a reason names it, CONF-68); empty before any."""
+    return str(getattr(_last, "call", ""))
+
+
+def clear_last_call() -> None:
+    """Forget this thread's last call (a new step begins)."""
+    _last.call = ""
+
+
 def _check(fault: Fault | None, step: str, rank: int) -> None:
     if fault is not None and fault.step == step and fault.rank == rank:
         raise InjectedFault(f"injected: {step} on rank {rank}")
@@ -106,12 +128,14 @@ def save_ranks(
     fault: Fault | None = None,
     before_finish: Callable[[], None] | None = None,
     trace: SaveTrace | None = None,
+    save_planners: Sequence[DefaultSavePlanner] | None = None,
 ) -> Metadata:
     """Save ``state_dicts[r]`` through ``writers[r]`` for every rank r; return the metadata.
 
     With ``reset``, each writer first receives ``reset(checkpoint_id)``.
     ``before_finish`` runs after every rank's data is written and before the
-    coordinator's ``finish`` (CONF-21).
+    coordinator's ``finish`` (CONF-21). ``save_planners`` replaces torch's
+    ``DefaultSavePlanner`` per rank (the coverage cases add chunk items, CONF-61).
     """
     tr = trace if trace is not None else SaveTrace()
     planners: list[DefaultSavePlanner] = []
@@ -119,27 +143,34 @@ def save_ranks(
         coord = rank == 0
         tick()  # every call into the backend is progress for the watchdog (CONF-51)
         if reset:
+            _at(rank, "reset")
             writer.reset(checkpoint_id)
         planner: DefaultSavePlanner
         if fault is not None and fault.step == "write_data:inside" and fault.rank == rank:
             planner = _FaultySavePlanner()
+        elif save_planners is not None:
+            planner = save_planners[rank]
         else:
             planner = DefaultSavePlanner()
         # torch 2.13's order (spec/protocol.md, writer contract): storage_meta, the
         # planner's set-up, then the writer's
+        _at(rank, "storage_meta")
         storage_meta = writer.storage_meta()
         planner.set_up_planner(sd, storage_meta=storage_meta, is_coordinator=coord)
         _check(fault, "set_up_storage_writer", rank)
+        _at(rank, "set_up_storage_writer")
         set_up_writer(writer, coord, rank)
         plan = planner.create_local_plan()
         tr.local_in.append(plan)
         _check(fault, "prepare_local_plan", rank)
+        _at(rank, "prepare_local_plan")
         tr.local_out.append(writer.prepare_local_plan(plan))
         tick()
         planners.append(planner)
     global_plans, metadata = planners[0].create_global_plan(tr.local_out)
     tr.global_in = list(global_plans)
     _check(fault, "prepare_global_plan", 0)
+    _at(0, "prepare_global_plan")
     tr.global_out = writers[0].prepare_global_plan(list(global_plans))
     tick()
     for rank, writer in enumerate(writers):
@@ -147,6 +178,7 @@ def save_ranks(
         tr.final_plans.append(final)
         _check(fault, "write_data", rank)
         tick()
+        _at(rank, "write_data")
         fut = writer.write_data(final, planners[rank])
         tr.futures.append(fut)
         tr.results.append(fut.wait())
@@ -157,6 +189,7 @@ def save_ranks(
     if fault is not None and fault.step == "finish:inside":
         metadata.planner_data = _Unpicklable()
     tick()
+    _at(0, "finish")
     writers[0].finish(metadata=metadata, results=tr.results)
     tick()
     tr.metadata = metadata
@@ -180,17 +213,22 @@ def load_ranks(
         coord = rank == 0
         tick()
         if reset:
+            _at(rank, "reset")
             reader.reset(checkpoint_id)
+        _at(rank, "read_metadata")
         metadata = reader.read_metadata()
         planner = planners[rank] if planners is not None else DefaultLoadPlanner()
         planner.set_up_planner(sd, metadata, coord)  # torch 2.13's order: planner, then reader
+        _at(rank, "set_up_storage_reader")
         set_up_reader(reader, metadata, coord, rank)
         plan = planner.create_local_plan()
         local_in.append(plan)
+        _at(rank, "prepare_local_plan")
         local.append(reader.prepare_local_plan(plan))
         tick()
         used.append(planner)
     global_in = used[0].create_global_plan(local)
+    _at(0, "prepare_global_plan")
     global_out = readers[0].prepare_global_plan(list(global_in))
     if plans_seen is not None:
         plans_seen.append((local_in, local))
@@ -198,6 +236,7 @@ def load_ranks(
     for rank, reader in enumerate(readers):
         final = used[rank].finish_plan(global_out[rank])
         tick()
+        _at(rank, "read_data")
         fut: Future[None] = reader.read_data(final, used[rank])
         fut.wait()
         tick()

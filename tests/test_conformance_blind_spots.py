@@ -101,12 +101,15 @@ class BoundaryOffByOneWriter(_Transforming):
 
 
 @pytest.mark.spec("CONF-46", "CONF-42")
-def test_a_writer_damaging_only_large_tensors_fails_conf_46_alone() -> None:
+def test_a_writer_damaging_only_large_tensors_fails_conf_46_and_the_crossed_cases() -> None:
     results = run_checks(with_writer(DropsPartWriter), examples=2)
-    assert failing(results) == {"CONF-46"}, [r for r in results if r.status == "fail"]
+    # CONF-61 crosses the 6 MiB size with the other dimensions, so it sees the defect too
+    assert failing(results) == {"CONF-46", "CONF-61"}, [r for r in results if r.status == "fail"]
     reason = by_id(results)["CONF-46"].reason
     assert "bytes_6MiB_plus_4" in reason and "first at byte 5242880" in reason
-    assert [r.id for r in failed_musts(results)] == ["CONF-46"]
+    assert [r.id for r in failed_musts(results)] == ["CONF-46", "CONF-61"]
+    # the defect needs a whole 6 MiB item: chunks of it stay below the damaged offset
+    assert "every failing case has chunks=1 and size=6MiB+4" in by_id(results)["CONF-61"].reason
 
 
 @pytest.mark.spec("CONF-46")

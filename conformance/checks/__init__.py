@@ -1,8 +1,10 @@
 """The conformance checks, one module per area; importing this registers them all."""
 
 from conformance.checks import (
+    asyncpath,
     commit_tensor,
     crash,
+    crossed,
     data,
     failures,
     power,
@@ -11,4 +13,15 @@ from conformance.checks import (
     stateful,
 )
 
-__all__ = ["commit_tensor", "crash", "data", "failures", "power", "protocol", "ranks", "stateful"]
+__all__ = [
+    "asyncpath",
+    "commit_tensor",
+    "crash",
+    "crossed",
+    "data",
+    "failures",
+    "power",
+    "protocol",
+    "ranks",
+    "stateful",
+]

@@ -10,6 +10,7 @@ location bit-exact as either checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -22,7 +23,16 @@ from typing import Any
 from conformance.checks.common import load_error, read_metadata, save_at
 from conformance.checks.failures import exact_state, new_state, old_state
 from conformance.drive import save_ranks
-from conformance.registry import CheckFailed, Context, NotApplicable, describe, spec, tick
+from conformance.registry import (
+    CheckFailed,
+    Context,
+    NotApplicable,
+    Progress,
+    describe,
+    spec,
+    tick,
+    watch,
+)
 
 #: Kill points: every C call of ``finish`` up to this many, else this many spread evenly.
 FINISH_POINTS = 40
@@ -65,6 +75,18 @@ class ChildRun:
     detail: str = ""
 
 
+class _Heartbeat(Progress):
+    """The child's clock: each tick writes a byte the parent reads as progress (CONF-51)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def tick(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.fd, b".")
+
+
 def _child(ctx: Context, loc: Any, sd: dict[str, Any], kill_at: int | None, out: int) -> None:
     counter = _Counter(kill_at)
     marks: list[int] = []
@@ -88,14 +110,22 @@ def child_save(
     a child still running after ``limit`` seconds is hung."""
     tick()  # a child save that ends is the backend's progress (CONF-51)
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
+    beat_read, beat_write = os.pipe()
+    if pid := os.fork():
+        os.close(beat_write)
+    else:  # the child: never returns
         os.close(read_end)
+        os.close(beat_read)
+        watch(_Heartbeat(beat_write))  # the child's calls into the backend are progress too
         _child(ctx, loc, sd, kill_at, write_end)
     os.close(write_end)
+    os.set_blocking(beat_read, False)
     deadline = time.monotonic() + limit
     status = None
     while status is None:
+        with contextlib.suppress(BlockingIOError):
+            if os.read(beat_read, 4096):
+                tick()
         done, st = os.waitpid(pid, os.WNOHANG)
         tick()  # a child within its own limit is progress; ``limit`` is what catches a hang
         if done:
@@ -104,9 +134,11 @@ def child_save(
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             os.close(read_end)
+            os.close(beat_read)
             return ChildRun("hung", detail=f"no result within {limit:g} s")
         else:
             time.sleep(0.002)
+    os.close(beat_read)
     chunks = []
     while chunk := os.read(read_end, 65536):
         chunks.append(chunk)

@@ -14,8 +14,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from conformance.checks.common import roundtrip, save_at
+from conformance.checks.crossed import explain
 from conformance.drive import load_ranks
-from conformance.registry import CheckFailed, Context, NotApplicable, spec
+from conformance.registry import CheckFailed, Context, NotApplicable, backend_error, spec
 from conformance.truth import DTYPES, bits, finite_tensor, rand_tensor, special_values
 
 
@@ -177,18 +178,35 @@ def _saved_for_boxes(ctx: Context) -> tuple[Any, dict[str, Any]]:
 
 def _load_boxes(ctx: Context, loc: Any, truth: dict[str, Any], boxes: Boxes, req: str) -> None:
     planner = _PartialPlanner(boxes)
-    load_ranks(
-        [ctx.backend.reader(loc)],
-        [{k: truth[k] for k in boxes}],
-        checkpoint_id=loc,
-        planners=[planner],
+    point = "one rank loading " + "; ".join(
+        f"{fqn} {tuple(truth[fqn].shape)} boxes " + ", ".join(f"at {o} of {sz}" for o, sz in bx)
+        for fqn, bx in boxes.items()
     )
+    try:
+        load_ranks(
+            [ctx.backend.reader(loc)],
+            [{k: truth[k] for k in boxes}],
+            checkpoint_id=loc,
+            planners=[planner],
+        )
+    except BaseException as exc:
+        if not backend_error(exc):
+            raise
+        # an IndexError or a shape error raised inside torch says nothing on its own (CONF-68)
+        raise CheckFailed(
+            f"{req}: {point}: the load raised {explain(exc)}; expected exactly "
+            "those sub-boxes of the saved tensors"
+        ) from exc
     for (fqn, offsets), got in planner.dest.items():
         want = truth[fqn]
         for dim, (start, length) in enumerate(zip(offsets, got.shape, strict=True)):
             want = want.narrow(dim, start, length)
         if bits(got) != bits(want):
-            raise CheckFailed(f"{req}: {fqn} box at offsets {offsets} differs from the saved data")
+            raise CheckFailed(
+                f"{req}: {point}: {fqn} box at offsets {offsets} of size {tuple(got.shape)} "
+                f"differs from the saved data: read {bits(got)[:8].hex()}..., saved "
+                f"{bits(want)[:8].hex()}...; expected the saved sub-box"
+            )
 
 
 @spec("CONF-15", title="partial reads at resharding offsets return the exact sub-boxes")

@@ -191,7 +191,7 @@ class DictBackend:
     name: str = "example DictBackend"
     capabilities: Capabilities = dataclasses.field(
         default_factory=lambda: Capabilities(
-            overwrite=True, atomic_overwrite=True, thread_count=True
+            overwrite=True, atomic_overwrite=True, thread_count=True, process_async=False
         )
     )
     store: DictStore = dataclasses.field(default_factory=DictStore)
