@@ -49,8 +49,8 @@ def _tiny_wheel(folder: Path, module: str, dist: str) -> None:
 def test_auto_mode_picks_the_installed_interpreter_when_there_is_no_venv(tmp_path: Path) -> None:
     # BIN points at no venv, and this interpreter imports torch, pytest, hypothesis and xdist
     out = subprocess.run(
-        ["make", "-n", "--no-print-directory", "-C", str(ROOT), "test-gpu"]
-        + [f"PY={sys.executable}", f"BIN={tmp_path / 'absent' / 'bin'}"],
+        [*("make", "-n", "--no-print-directory", "-C", str(ROOT), "test-gpu"),
+         f"PY={sys.executable}", f"BIN={tmp_path / 'absent' / 'bin'}"],
         capture_output=True, text=True, timeout=120,
     ).stdout
     assert f"interpreter {sys.executable} (VENV_MODE=auto)" in out, out

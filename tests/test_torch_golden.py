@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,29 @@ def test_a_torch_written_golden_checkpoint_loads_bit_exact(fixture: Path) -> Non
         assert tensor_digest(t) == manifest["tensors"][key]["sha256"], key
     assert got["extra"] == expected["extra"]
     assert got["optim"]["param_groups"] == expected["optim"]["param_groups"]
+
+
+def _make_n(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = ["make", "-n", "--no-print-directory", "-C", str(ROOT), "test-torch", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.spec("TOOL-31")
+def test_make_test_torch_pins_the_version_in_a_venv_of_its_own() -> None:
+    plan = _make_n("TORCH=2.11.0").stdout
+    assert "-m venv build/torch-2.11.0" in plan, plan
+    assert 'pip install -q "torch==2.11.0"' in plan and "-c build/torch-2.11.0/constraints.txt" in plan
+    assert "== '2.11.0'" in plan  # the version it got is checked before any test runs
+    assert 'build/torch-2.11.0/bin/python -m pytest -n 2 -m "not slow and not gpu"' in plan
+    assert ".venv" not in plan.replace("-m venv", "")
+    chosen = _make_n("TORCH=2.12.0", "TORCH_TESTS=tests/test_api.py").stdout
+    assert chosen.rstrip().endswith("-q tests/test_api.py"), chosen
+
+
+@pytest.mark.spec("TOOL-31")
+@pytest.mark.parametrize("version", ["", "2.11", "latest", ">=2.11"])
+def test_make_test_torch_refuses_anything_but_an_exact_version(version: str) -> None:
+    cmd = ["make", "--no-print-directory", "-C", str(ROOT), "test-torch", f"TORCH={version}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "usage: make test-torch TORCH=2.x.y" in run.stderr, run.stderr
+    assert not (ROOT / "build" / f"torch-{version}").exists()
