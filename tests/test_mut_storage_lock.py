@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import refdcp.storage.fs.paths as paths_module
 from refdcp.storage.errors import ConcurrentSaveError
 from refdcp.storage.fs.lock import acquire_save_lock, live_lock_tokens, lock_name
 
@@ -423,14 +424,14 @@ def test_a_lock_file_gone_between_listing_and_probing_is_skipped(
 def test_without_a_readable_boot_id_the_lock_records_an_empty_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = Path.read_text
+    real = open
 
-    def no_proc(self: Path, *args: Any, **kwargs: Any) -> str:
-        if str(self) == str(_BOOT):
-            raise FileNotFoundError(str(self))
-        return real(self, *args, **kwargs)
+    def no_proc(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(file) == str(_BOOT):
+            raise FileNotFoundError(str(file))
+        return real(file, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", no_proc)
+    monkeypatch.setattr(paths_module, "open", no_proc, raising=False)
     lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab")
     assert _info(tmp_path / ".metadata.lock")["boot_id"] == ""
     lock.release()

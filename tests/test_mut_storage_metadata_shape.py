@@ -34,8 +34,9 @@ from torch.distributed.checkpoint.metadata import (
 
 import refdcp
 from refdcp.storage.errors import MalformedMetadataError, UnsafePathError
+from refdcp.storage.fs.metadata_file import read_metadata_file
 from refdcp.storage.metadata.limits import MetadataLimits
-from refdcp.storage.metadata.safe import dump_metadata, load_metadata, read_metadata_file
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.metadata.shape import check_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

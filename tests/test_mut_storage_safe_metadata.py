@@ -26,6 +26,7 @@ from refdcp.storage.errors import (
     MalformedMetadataError,
     UnsafeMetadataError,
 )
+from refdcp.storage.fs.metadata_file import read_metadata_file
 from refdcp.storage.metadata.limits import MetadataLimits
 from refdcp.storage.metadata.safe import (
     DCP_VERSION,
@@ -35,7 +36,6 @@ from refdcp.storage.metadata.safe import (
     dump_metadata,
     has_checksum_trailer,
     load_metadata,
-    read_metadata_file,
     safe_loads,
 )
 

@@ -31,10 +31,11 @@ from refdcp.planning import DefaultLoadPlanner
 from refdcp.planning.resharding import read_items_for_chunks, whole_tensor_read
 from refdcp.storage import CorruptionError, FileSystemReader, FileSystemWriter
 from refdcp.storage.errors import MalformedMetadataError, UnsafeMetadataError
+from refdcp.storage.fs.metadata_file import read_metadata_file
 from refdcp.storage.fs.small_reads import SmallItem, read_small_items
 from refdcp.storage.metadata.bulk import entries_ok, records_ok
 from refdcp.storage.metadata.limits import get_metadata_limits
-from refdcp.storage.metadata.safe import load_metadata, read_metadata_file, safe_loads
+from refdcp.storage.metadata.safe import load_metadata, safe_loads
 from refdcp.storage.metadata.shape import check_metadata
 
 

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from refdcp.crc.kernel import crc32c
 from refdcp.storage.errors import (
+    CheckpointReplacedError,
     CorruptionError,
     FormatVersionError,
     MetadataUnreadableError,
@@ -20,8 +21,9 @@ from refdcp.storage.errors import (
 )
 from refdcp.storage.format import layout
 from refdcp.storage.format.items import checksum_of
+from refdcp.storage.fs.metadata_file import read_metadata_file_stat
 from refdcp.storage.fs.paths import open_data_file, pread_exact
-from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
+from refdcp.storage.metadata.safe import load_metadata
 from refdcp.storage.metadata.stored_layout import record_problem, storage_records, tiling_problem
 
 __all__ = [
@@ -218,29 +220,65 @@ class _FileRanges:
         self.fd, self.name = None, None
 
 
+#: checks of one path in a row that a concurrent save may replace before
+#: ``verify_checkpoint`` gives up (INTEG-14)
+ATTEMPTS = 3
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     """Verify every checksum of the filesystem checkpoint at ``path`` (INTEG-6).
 
     A ``.metadata`` that exists but cannot be read (permission, not a regular
     file, over the size limit) raises ``MetadataUnreadableError`` naming the
     file and the cause; a missing one is reported as "not committed" (TOOL-13).
+    The verdict is about one committed checkpoint: when a save replaced the
+    ``.metadata`` while it was checked, the check starts again from the new one,
+    and after ``ATTEMPTS`` replacements in a row ``CheckpointReplacedError`` is
+    raised (INTEG-14).
     """
     root = Path(path)
     if not root.is_dir():
         raise MetadataUnreadableError(f"{root}: not a checkpoint directory")
     meta_path = root / layout.METADATA_NAME
+    for _ in range(ATTEMPTS):
+        metadata_bytes, read = _read_committed(meta_path)
+        ranges = _FileRanges(root)
+        try:
+            report = verify_ranges(metadata_bytes, ranges, str(root))
+        finally:
+            ranges.close()
+        if _identity_now(meta_path) == read:
+            return report
+    raise CheckpointReplacedError(
+        f"{meta_path}: the checkpoint was replaced while verifying it, {ATTEMPTS} times in a "
+        "row (saves are committing into this directory); no verdict: verify again when "
+        "they stop"
+    )
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one committed ``.metadata`` from the next: a commit renames a new file
+    over the old one (a new inode and change time)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _read_committed(meta_path: Path) -> tuple[bytes | None, tuple[int, ...] | None]:
+    """The committed ``.metadata``'s bytes and identity; (None, None) when there is none."""
     try:
-        metadata_bytes: bytes | None = read_metadata_file(meta_path)
+        data, st = read_metadata_file_stat(meta_path)
     except FileNotFoundError:
-        metadata_bytes = None
+        return None, None
     except UnsafeMetadataError as exc:
         raise MetadataUnreadableError(str(exc)) from exc
     except OSError as exc:
         raise MetadataUnreadableError(
             f"{meta_path}: cannot be read: {exc.strerror or exc}"
         ) from exc
-    ranges = _FileRanges(root)
+    return data, _identity(st)
+
+
+def _identity_now(meta_path: Path) -> tuple[int, ...] | None:
     try:
-        return verify_ranges(metadata_bytes, ranges, str(root))
-    finally:
-        ranges.close()
+        return _identity(os.stat(meta_path, follow_symlinks=False))
+    except FileNotFoundError:
+        return None

@@ -70,7 +70,7 @@ from refdcp.storage.format.items import (
     make_storage_info,
     raw_view,
 )
-from refdcp.storage.fs.paths import open_data_file
+from refdcp.storage.fs.paths import open_data_file, open_regular, pread_exact
 from refdcp.tools.progress import Progress
 
 __all__ = [
@@ -172,14 +172,36 @@ def detect_format(path: str | os.PathLike[str], *, existing: bool) -> str:
     if fmt is not None:
         return fmt
     if existing and p.is_file():
-        with open(p, "rb") as f:
-            head = f.read(4)
+        fd = _open_named(p)
+        try:
+            head = os.pread(fd, 4, 0)
+        finally:
+            os.close(fd)
         if head == b"PK\x03\x04":
             return "torch"
         raise ConvertError(f"{p}: cannot tell its format from its name; pass --from")
     if existing:
         raise ConvertError(f"{p}: no such file or directory")
     return "dcp"
+
+
+def _open_named(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A safetensors, index or torch.save file the user named, through the opening rule
+    (STORE-59): a FIFO, device or directory is refused without blocking; a symbolic
+    link is followed, since Hugging Face caches link snapshot files to their blobs."""
+    try:
+        return open_regular(path, flags, follow_links=True)
+    except RefdcpError as exc:
+        raise ConvertError(str(exc)) from exc
+
+
+def _read_named(path: Path) -> bytes:
+    """The whole of a small file the user named (an index), through :func:`_open_named`."""
+    fd = _open_named(path)
+    try:
+        return pread_exact(fd, os.fstat(fd).st_size, 0)
+    finally:
+        os.close(fd)
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -236,7 +258,8 @@ class _DcpSource(_Source):
     """A DCP directory (torch's or refdcp's FileSystemWriter layout)."""
 
     def __init__(self, path: Path) -> None:
-        from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
+        from refdcp.storage.fs.metadata_file import read_metadata_file
+        from refdcp.storage.metadata.safe import load_metadata
 
         self.path = path
         md_file = path / layout.METADATA_NAME
@@ -623,7 +646,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class _SafetensorsSource(_Source):
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = _open_named(path)
         size = os.fstat(self.fd).st_size
         raw = os.pread(self.fd, 8, 0)
         if len(raw) != 8:
@@ -692,7 +715,7 @@ class _IndexSource(_Source):
             path = found[0]
         self.path = path
         try:
-            index = json.loads(path.read_bytes())
+            index = json.loads(_read_named(path))
         except (OSError, ValueError) as exc:
             raise ConvertError(f"{path}: not a readable JSON index: {exc}") from exc
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -745,6 +768,7 @@ class _TorchSaveSource(_Source):
     """A torch.save file, memory-mapped; each tensor's pages are dropped once written."""
 
     def __init__(self, path: Path) -> None:
+        os.close(_open_named(path))  # a FIFO or device is refused, never waited on (STORE-59)
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:
@@ -932,7 +956,7 @@ def _write_safetensors(
     src: _Source, dst: Path, progress: Progress, report: ConvertReport, keys: list[str]
 ) -> None:
     header = _safetensors_header(src, keys)
-    with open(dst, "wb") as f:
+    with open(_open_named(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
         f.write(header)
         for key in keys:
             tensor = src.read(key)
@@ -984,7 +1008,7 @@ def _write_safetensors_index(
     old: list[str] = []
     if index_path.is_file():
         try:
-            old = list(dict.fromkeys(json.loads(index_path.read_bytes())["weight_map"].values()))
+            old = list(dict.fromkeys(json.loads(_read_named(index_path))["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             old = []
     temps: list[Path] = []
@@ -1004,9 +1028,9 @@ def _write_safetensors_index(
             "weight_map": {k: names[i] for i, group in enumerate(groups) for k in group},
         }
         fd, tmp = tempfile.mkstemp(prefix=f".{index_path.name}.", suffix=".partial", dir=folder)
-        os.close(fd)
         temps.append(Path(tmp))
-        Path(tmp).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        with open(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(index, indent=2) + "\n")
         os.replace(tmp, index_path)
         report.shards, report.index = len(names), str(index_path)
     except BaseException:
@@ -1042,7 +1066,7 @@ def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertRepor
     name = layout.data_file_name(layout.plan_prefix(plan), 0, writer.save_id)
     results: list[WriteResult] = []
     ordered = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
-    fd = os.open(dst / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = open_regular(dst / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         position = 0
         for item in ordered:

@@ -40,7 +40,8 @@ def load_metadata_safely(path: str | os.PathLike[str]) -> Metadata:
 
 def _load_metadata_bytes(path: str | os.PathLike[str]) -> tuple[Metadata, bytes]:
     """The metadata and its bytes; any failure is a one-line ``MetadataLoadError`` (TOOL-12)."""
-    from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
+    from refdcp.storage.fs.metadata_file import read_metadata_file
+    from refdcp.storage.metadata.safe import load_metadata
 
     try:
         data = read_metadata_file(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as json_module
 import sys
 
+from refdcp.storage.errors import CheckpointReplacedError
 from refdcp.storage.verify import MetadataUnreadableError, verify_checkpoint
 from refdcp.tools.inspect import one_line
 
@@ -16,13 +17,14 @@ def verify_command(path: str, *, json: bool) -> int:
 
     Returns 0 when intact, 1 when damaged or not committed, 2 when it could not
     be checked (the directory or ``.metadata`` cannot be read; one line on
-    stderr names the file and the cause, TOOL-12, TOOL-13), 3 when no problem
+    stderr names the file and the cause, TOOL-12, TOOL-13; or saves kept replacing
+    the checkpoint while it was checked, INTEG-14), 3 when no problem
     was found but no item carried a checksum (a torch-written checkpoint):
     nothing was verified.
     """
     try:
         report = verify_checkpoint(path)
-    except (MetadataUnreadableError, OSError) as exc:
+    except (MetadataUnreadableError, CheckpointReplacedError, OSError) as exc:
         print(f"refdcp verify: {one_line(str(exc))}", file=sys.stderr)
         return 2
     unverified = report.ok and report.items_checked == 0 and report.items_without_checksum > 0

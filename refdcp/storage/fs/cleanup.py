@@ -54,7 +54,8 @@ def committed_references(
     None when a metadata file exists but cannot be read or parsed: then no
     reference can be ruled out and callers must not remove data files.
     """
-    from refdcp.storage.metadata.safe import load_metadata, read_metadata_file
+    from refdcp.storage.fs.metadata_file import read_metadata_file
+    from refdcp.storage.metadata.safe import load_metadata
 
     if names is None:
         try:

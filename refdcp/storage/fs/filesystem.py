@@ -75,7 +75,15 @@ from refdcp.storage.fs.cleanup import (
 from refdcp.storage.fs.commit_mark import mark as mark_commit
 from refdcp.storage.fs.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.fs.lock import SaveLock, acquire_save_lock
-from refdcp.storage.fs.paths import at, check_data_name, host_identity, open_data_file, opened_dir
+from refdcp.storage.fs.metadata_file import read_metadata_file_stat
+from refdcp.storage.fs.paths import (
+    at,
+    check_data_name,
+    host_identity,
+    open_data_file,
+    open_regular,
+    opened_dir,
+)
 from refdcp.storage.fs.paths import pread_into as _pread_into
 from refdcp.storage.fs.paths import where_is as _where_is
 from refdcp.storage.fs.small_reads import SmallItem, batches_items, read_small_items
@@ -89,7 +97,6 @@ from refdcp.storage.metadata.safe import (
     finalize_metadata,
     has_checksum_trailer,
     load_metadata,
-    read_metadata_file_stat,
 )
 from refdcp.storage.metadata.stored_layout import check_records
 
@@ -109,7 +116,7 @@ def _fsync_dir(path: Path | int) -> None:
     if isinstance(path, int):
         os.fsync(path)
         return
-    fd = os.open(path, os.O_RDONLY)
+    fd = opened_dir(path)
     try:
         os.fsync(fd)
     finally:
@@ -516,8 +523,8 @@ class FileSystemWriter(_AtPath, StorageWriter):
     ) -> list[WriteResult]:
         results: list[WriteResult] = []
         dfd = self._dir_fd()
-        fd = os.open(
-            at(self.path, name, dfd), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd
+        fd = open_regular(
+            at(self.path, name, dfd), os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dfd
         )
         self._written.append(name)
         try:
@@ -576,7 +583,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         tmp = at(self.path, layout.metadata_temp_name(rank, self.save_id), dfd)
         final = at(self.path, layout.rank_metadata_name(rank), dfd)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dfd)
             try:
                 out = _FileOut(fd)
                 out.write([blob])

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from refdcp.storage.errors import ConcurrentSaveError, UnsafePathError
-from refdcp.storage.fs.paths import at, open_regular
+from refdcp.storage.fs.paths import at, boot_id, open_regular
 
 __all__ = ["SaveLock", "acquire_save_lock", "live_lock_tokens", "lock_name"]
 
@@ -41,13 +41,6 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS}
 def lock_name(metadata_name: str) -> str:
     """``.metadata.lock`` for ``.metadata``; ``__3.metadata.lock`` for ``__3.metadata``."""
     return metadata_name + LOCK_SUFFIX
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -118,7 +111,7 @@ def _payload(token: str) -> bytes:
     info = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "boot_id": _boot_id(),
+        "boot_id": boot_id(),
         "start": time.time(),
         "token": token,
     }
@@ -142,8 +135,7 @@ def _create(path: Path, token: str, dir_fd: int | None) -> int | None:
     """Make ``path`` appear atomically, locked and filled; None when it already exists."""
     private = at(path.parent, f"{path.name}.{uuid.uuid4().hex[:12]}.new", dir_fd)
     name = at(path.parent, path.name, dir_fd)
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    fd = os.open(private, flags, 0o644, dir_fd=dir_fd)
+    fd = open_regular(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
     try:
         _flock(fd)
         os.write(fd, _payload(token))
@@ -172,7 +164,7 @@ def _create(path: Path, token: str, dir_fd: int | None) -> int | None:
 
 def _create_excl(name: str | Path, token: str, dir_fd: int | None) -> int | None:
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        fd = open_regular(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
     except FileExistsError:
         return None
     _flock(fd)
@@ -247,7 +239,7 @@ def _stale_without_flock(info: dict[str, Any]) -> bool:
     return (
         isinstance(pid, int)
         and info.get("host") == socket.gethostname()
-        and info.get("boot_id") == _boot_id()
+        and info.get("boot_id") == boot_id()
         and not _pid_alive(pid)
     )
 

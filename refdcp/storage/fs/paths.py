@@ -1,4 +1,5 @@
-"""Data-file names taken from ``.metadata`` and how readers open them (STORE-26..STORE-28).
+"""The one rule by which refdcp opens a file of a checkpoint directory (STORE-26..STORE-28,
+STORE-56, STORE-59), and the data-file names taken from ``.metadata``.
 
 A checkpoint's ``.metadata`` is untrusted input: a crafted one may name
 ``../../etc/passwd``, ``/abs/x``, a FIFO or ``/dev/zero``. Readers accept only
@@ -7,6 +8,12 @@ relative to the checkpoint directory without following a symbolic link and
 without blocking, and refuse anything but a regular file. Every read is then
 bounded by the length the metadata states (the callers check it against the
 file's size before allocating).
+
+Every file refdcp opens in a checkpoint directory (data, ``.metadata``, lock and
+temporary files, in save, load, verify, inspect, convert, clean-up and the lock
+scan) is opened by :func:`open_regular` and every directory by
+:func:`opened_dir`; ``tests/test_one_opening_rule.py`` fails on any other
+``open`` in the package that is not listed there with its reason (STORE-59).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from refdcp.storage.format.layout import MAX_NAME_BYTES, METADATA_NAME, check_da
 __all__ = [
     "MAX_NAME_BYTES",
     "at",
+    "boot_id",
     "check_data_name",
     "holds_safetensors_only",
     "host_identity",
@@ -48,22 +56,34 @@ def open_data_file(root: str | os.PathLike[str], name: str, *, fqn: str | None =
 
 
 def open_regular(
-    path: str | os.PathLike[str], flags: int, mode: int = 0o644, *, dir_fd: int | None = None
+    path: str | os.PathLike[str],
+    flags: int,
+    mode: int = 0o644,
+    *,
+    dir_fd: int | None = None,
+    follow_links: bool = False,
 ) -> int:
     """Open ``path`` with ``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``; refuse a
-    symbolic link or anything but a regular file with ``UnsafePathError`` (STORE-27, STORE-56).
+    symbolic link or anything but a regular file with ``UnsafePathError`` (STORE-27,
+    STORE-56, STORE-59).
 
     The type is checked with ``fstat`` on the opened descriptor, so nothing can be
-    swapped in between; a FIFO never blocks the open. With ``dir_fd``, ``path`` is a
-    name in that opened directory (STORE-57).
+    swapped in between; a FIFO never blocks the open. With ``dir_fd``, ``path`` must be
+    a plain name in that opened directory (STORE-57). ``follow_links=True`` is only for
+    files a user names outside any checkpoint directory (``refdcp convert``'s
+    safetensors and torch.save files, which Hugging Face caches link to): the link is
+    followed, the other checks stay.
     """
-    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if dir_fd is not None:
+        check_data_name(os.fspath(path))
+    flags |= os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags, mode, dir_fd=dir_fd)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        what = _REFUSED_BY_OPEN.get(exc.errno or 0)
+        if what is not None:
             raise UnsafePathError(
-                f"{path}: is a symbolic link; refdcp opens only regular files of the checkpoint"
+                f"{path}: is {what}; refdcp opens only regular files of the checkpoint"
             ) from exc
         raise
     try:
@@ -79,20 +99,33 @@ def open_regular(
     return fd
 
 
+#: what an ``open`` refusal says about the file (the kernel refuses before ``fstat`` can)
+_REFUSED_BY_OPEN = {
+    errno.ELOOP: "a symbolic link",
+    errno.ENXIO: "a socket, or a FIFO with no reader",
+    errno.EISDIR: "a directory",
+}
+
+
 def opened_dir(path: str | os.PathLike[str]) -> int:
     """A descriptor of the directory ``path`` names now (``O_DIRECTORY``), which a save
     keeps and creates, renames and removes every file relative to (STORE-57)."""
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def host_identity() -> str:
-    """This host and boot: device and inode numbers compare only within one (STORE-57)."""
+def boot_id() -> str:
+    """This boot of this host, from the kernel; "" where it cannot be read (a system
+    file, not in a checkpoint directory)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
+            return fh.read().strip()
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        return ""
+
+
+def host_identity() -> str:
+    """This host and boot: device and inode numbers compare only within one (STORE-57)."""
+    return f"{socket.gethostname()}/{boot_id()}"
 
 
 def where_is(dir_fd: int) -> str:
