@@ -202,7 +202,7 @@ def test_without_flock_only_a_dead_pid_on_this_host_is_stale(
     import json
 
     monkeypatch.setattr(lock_mod, "_flock", lambda fd: None)  # a filesystem without flock
-    boot = lock_mod._boot_id()
+    boot = lock_mod.boot_id()
     host = socket.gethostname()
     dead = mp.get_context("fork").Process(target=os._exit, args=(0,))
     dead.start()
