@@ -151,10 +151,7 @@ class TorchDistComm:
     ) -> list[Any]:
         out: list[Any] = []
         for src, size in enumerate(sizes):
-            if src == self._rank:
-                buf = self._to_tensor(data, size)
-            else:
-                buf = self._empty(size)
+            buf = self._to_tensor(data, size) if src == self._rank else self._empty(size)
             root = src if self._group is None else dist.get_global_rank(self._group, src)
             work = dist.broadcast(buf, src=root, group=self._group, async_op=True)
             self._wait(work, deadline, "all_gather")
@@ -173,9 +170,7 @@ class TorchDistComm:
         size: int = pick(sizes)
         return deadline, max(size, 1)
 
-    def _header_sizes(
-        self, op: str, nbytes: int, timeout: float | None
-    ) -> tuple[float, list[int]]:
+    def _header_sizes(self, op: str, nbytes: int, timeout: float | None) -> tuple[float, list[int]]:
         """Exchange (op, seq, size); check agreement; return (deadline, every rank's size)."""
         if self._broken is not None:  # COMM-52
             raise CommError(f"communicator unusable after an earlier failure: {self._broken}")
