@@ -16,12 +16,12 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from refdcp.errors import RefdcpError
-from refdcp.storage.format.items import raw_view
 from refdcp.storage.format.tensor_values import bytes_are_values
 
 __all__ = [
@@ -218,22 +218,27 @@ class ReadOnceState:
             self.blobs[key] = value.getvalue()
 
 
-def piece(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytearray]:
-    """A box's values as plain data: dtype name, shape, row-major bytes (ONCE-3)."""
+def piece(t: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray[Any, Any]]:
+    """A box's values as plain data: dtype name, shape, row-major bytes (ONCE-3), the bytes
+    a numpy array over the tensor's memory when it holds them (pickled out of band by
+    ``TorchDistComm``, COMM-63), else over a copy."""
     t = t.detach()
     if t.device.type != "cpu" or not bytes_are_values(t):
         t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), bytearray(raw_view(t)))
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
 
 
-def unpiece(p: tuple[str, tuple[int, ...], bytearray]) -> torch.Tensor:
-    name, shape, data = p
-    dtype = getattr(torch, name)
+def unpiece(p: tuple[str, tuple[int, ...], np.ndarray[Any, Any]]) -> torch.Tensor:
+    name, shape, raw = p
+    dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise RefdcpError(f"read-once piece names no dtype: {name!r}")
-    if not data:
+    if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+    if not raw.flags.writeable:
+        raw = raw.copy()
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 def check_sender(sent: Any, source: int, verify: bool | None) -> Sent:
