@@ -20,11 +20,13 @@ storage time) and the wall time (which includes the in-process exchange).
 
     python -m benchmarks.bench_read_once [--mib 512] [--ranks 2 4] [--trials 3]
         [--sim-ranks 8 16 32 64] [--sim-mib 8] [--bandwidth-mib 200] [--latency-ms 5]
+        [--json benchmarks/results/read_once.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -81,12 +83,13 @@ def _gloo_rank(rank: int, world: int, path: str, mib: float, trials: int) -> lis
     return out
 
 
-def gloo_part(worlds: list[int], mib: float, trials: int) -> None:
+def gloo_part(worlds: list[int], mib: float, trials: int) -> list[dict[str, Any]]:
     from refdcp.testing.spawn import run_gloo
 
     print(f"(a) Gloo, fully replicated {mib:g} MiB, {trials} trials, alternating")
     print(f"load average at start: {os.getloadavg()}")
     print("world  mode        wall s (median)  bytes read per rank (MiB)   total / checkpoint")
+    rows: list[dict[str, Any]] = []
     for world in worlds:
         d = tempfile.mkdtemp(prefix="bench_read_once_")
         try:
@@ -97,12 +100,22 @@ def gloo_part(worlds: list[int], mib: float, trials: int) -> None:
         reads: dict[str, list[int]] = {}
         for t in range(trials):
             for m in MODES:
-                rows = [next(r for r in rank if r[0] == t and r[1] == m) for rank in ranks]
-                walls[m].append(max(r[2] for r in rows))
-                reads[m] = [r[3] for r in rows]
-                assert m == "torch" or all(r[4] for r in rows), f"{m} not bit-exact"
+                got = [next(r for r in rank if r[0] == t and r[1] == m) for rank in ranks]
+                walls[m].append(max(r[2] for r in got))
+                reads[m] = [r[3] for r in got]
+                assert m == "torch" or all(r[4] for r in got), f"{m} not bit-exact"
         total = mib * MiB
         for m in MODES:
+            rows.append(
+                {
+                    "part": "gloo",
+                    "ranks": world,
+                    "mode": m,
+                    "wall_s": walls[m],
+                    "bytes_per_rank": reads[m],
+                    "checkpoint_bytes": total,
+                }
+            )
             per = " ".join(f"{b / MiB:.0f}" for b in reads[m])
             print(
                 f"{world:5d}  {m:10s}  {statistics.median(walls[m]):8.3f} "
@@ -116,6 +129,7 @@ def gloo_part(worlds: list[int], mib: float, trials: int) -> None:
             f"{statistics.median(walls['read_once']) / statistics.median(walls['torch']):.2f}"
         )
     print(f"load average at end: {os.getloadavg()}")
+    return rows
 
 
 def _sim_rank(comm: Any, path: str, mib: float, once: bool, link: Any) -> tuple[int, bool]:
@@ -131,7 +145,9 @@ def _sim_rank(comm: Any, path: str, mib: float, once: bool, link: Any) -> tuple[
     return reader.bytes_read, all(torch.equal(sd[k], expected[k]) for k in expected)
 
 
-def sim_part(worlds: list[int], mib: float, bandwidth_mib: float, latency_ms: float) -> None:
+def sim_part(
+    worlds: list[int], mib: float, bandwidth_mib: float, latency_ms: float
+) -> list[dict[str, Any]]:
     import refdcp
     from refdcp.comm import FakeWorld
     from refdcp.testing.storage_wrappers import SharedLink
@@ -141,6 +157,7 @@ def sim_part(worlds: list[int], mib: float, bandwidth_mib: float, latency_ms: fl
         f"request; fully replicated {mib:g} MiB; FakeWorld ranks"
     )
     print("ranks  mode       total read (MiB)  x checkpoint  link busy s  wall s")
+    rows: list[dict[str, Any]] = []
     d = tempfile.mkdtemp(prefix="bench_read_once_sim_")
     try:
         refdcp.save(_state(mib, fill=True), checkpoint_id=d, no_dist=True)
@@ -152,12 +169,26 @@ def sim_part(worlds: list[int], mib: float, bandwidth_mib: float, latency_ms: fl
                 wall = time.perf_counter() - t0
                 assert all(ok for _, ok in got), "not bit-exact"
                 total = sum(b for b, _ in got)
+                rows.append(
+                    {
+                        "part": "modelled",
+                        "ranks": world,
+                        "mode": "read_once" if once else "read_n",
+                        "wall_s": [wall],
+                        "link_busy_s": link.busy_s,
+                        "bytes_total": total,
+                        "checkpoint_bytes": mib * MiB,
+                        "bandwidth_mib": bandwidth_mib,
+                        "latency_ms": latency_ms,
+                    }
+                )
                 print(
                     f"{world:5d}  {'read_once' if once else 'read_n':9s}  {total / MiB:16.1f}  "
                     f"{total / (mib * MiB):12.2f}  {link.busy_s:11.3f}  {wall:6.2f}"
                 )
     finally:
         shutil.rmtree(d, ignore_errors=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,11 +200,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sim-mib", type=float, default=8)
     ap.add_argument("--bandwidth-mib", type=float, default=200)
     ap.add_argument("--latency-ms", type=float, default=5)
+    ap.add_argument(
+        "--json",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "read_once.json"
+        ),
+        help="where to write the rows (benchmarks.plots draws read_once.png from it); '' for none",
+    )
     args = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = []
     if args.ranks:
-        gloo_part(args.ranks, args.mib, args.trials)
+        rows += gloo_part(args.ranks, args.mib, args.trials)
     if args.sim_ranks:
-        sim_part(args.sim_ranks, args.sim_mib, args.bandwidth_mib, args.latency_ms)
+        rows += sim_part(args.sim_ranks, args.sim_mib, args.bandwidth_mib, args.latency_ms)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"load_average": os.getloadavg(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
