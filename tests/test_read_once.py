@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -75,7 +76,7 @@ def _plans_and_metadata(draw: Any) -> tuple[list[LoadPlan], Metadata]:
     return plans, Metadata(state_dict_metadata=state)
 
 
-@pytest.mark.spec("ONCE-8", "ONCE-1")
+@pytest.mark.spec("ONCE-8", "ONCE-1", "REF-4")
 @given(_plans_and_metadata())
 def test_fast_readers_equal_the_reference(case: tuple[list[LoadPlan], Metadata]) -> None:
     plans, md = case
@@ -438,8 +439,12 @@ def test_gloo_world_2_reads_once_bit_exact_and_every_rank_raises_on_a_bad_reader
         assert [b for b, _ in torch_driven] == [stored, stored] and all(
             ok for _, ok in torch_driven
         )
-        file = _corrupt(Path(path), "w1")
-        bad = run_gloo(2, _gloo_load, path, "load", timeout=120)
-    for outcome in bad:  # w0..w3 are equal: rank 1 reads w1 (ONCE-1)
-        assert outcome[0] == "raised" and outcome[2] == [1]
-        assert "'w1'" in outcome[1] and file in outcome[1]
+        # w0..w3 are equal: rank 0 reads w0 and w2, rank 1 w1 and w3 (ONCE-1)
+        for victim in (1, 0):
+            copy = f"{d}/copy{victim}"
+            shutil.copytree(path, copy)
+            file = _corrupt(Path(copy), f"w{victim}")
+            bad = run_gloo(2, _gloo_load, copy, "load", timeout=120)
+            for outcome in bad:  # every rank raises, naming the reader, key and file
+                assert outcome[0] == "raised" and outcome[2] == [victim]
+                assert f"'w{victim}'" in outcome[1] and file in outcome[1]

@@ -12,6 +12,7 @@ network file system or object store.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from typing import Any
@@ -59,9 +60,10 @@ class CountingReader(StorageReader):
     ) -> None:
         data = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
         self._lengths = {k: int(getattr(v, "length", 0)) for k, v in data.items()}
-        try:
+        params = inspect.signature(self.inner.set_up_storage_reader).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             self.inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        except TypeError:
+        else:  # torch's older signature (LOAD-1)
             self.inner.set_up_storage_reader(metadata, is_coordinator)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
