@@ -135,6 +135,7 @@ class DefaultLoadPlanner(LoadPlanner):
             raise ValueError("DefaultLoadPlanner needs the checkpoint's metadata")
         self.original_state_dict = state_dict
         self.deferred = []
+        self._once = None  # nothing of an earlier read-once load is kept (ONCE-2)
         self.flat = flatten_state_dict(state_dict)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
