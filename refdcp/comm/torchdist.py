@@ -165,7 +165,7 @@ class TorchDistComm:
             mine = src == self._rank
             head_t = self._to_tensor(head, head_len) if mine else self._empty(head_len)
             if mine:
-                bufs = [_writable_tensor(r) for r in raws]
+                bufs = [_writable_tensor(r).to(self._device) for r in raws]  # NCCL: on GPU
             else:
                 bufs = [self._empty(n) for n in lengths]
             root = src if self._group is None else dist.get_global_rank(self._group, src)
