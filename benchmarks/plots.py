@@ -6,7 +6,10 @@
   "before" tree when measured) beside torch's totals (``bench_phases``);
 * ``async_blocked.png``: time the caller is blocked in ``async_save``
   against state size for each configuration, with the memcpy of the same
-  bytes drawn in (``bench_async``).
+  bytes drawn in (``bench_async``);
+* ``read_once.png``: bytes read from storage (in checkpoints) and the modelled
+  storage link's busy time against ranks, read-once against reading N times
+  (``bench_read_once``).
 
 A figure whose JSON is missing is skipped with a message. Needs matplotlib
 (``pip install -e .[bench]``; ``make bench`` installs it).
@@ -136,6 +139,44 @@ def async_blocked(data: dict[str, Any], out: str) -> None:
     print(f"wrote {out}")
 
 
+def read_once(data: dict[str, Any], out: str) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
+    for part, marker in (("gloo", "o"), ("modelled", "s")):
+        for mode, style in (("read_once", "-"), ("read_n", "--"), ("torch", ":")):
+            sel = sorted(
+                (r for r in rows if r["part"] == part and r["mode"] == mode),
+                key=lambda r: r["ranks"],
+            )
+            if not sel:
+                continue
+            ranks = [r["ranks"] for r in sel]
+            read = [
+                (r["bytes_total"] if "bytes_total" in r else sum(r["bytes_per_rank"]))
+                / r["checkpoint_bytes"]
+                for r in sel
+            ]
+            ax_b.plot(ranks, read, style, marker=marker, label=f"{part} {mode}")
+            if part == "modelled":
+                busy = [r["link_busy_s"] for r in sel]
+                ax_t.plot(ranks, busy, style, marker=marker, label=f"{mode} (link busy)")
+    ax_b.set_xscale("log", base=2)
+    ax_b.set_yscale("log", base=2)
+    ax_b.set_xlabel("ranks")
+    ax_b.set_ylabel("bytes read from storage / checkpoint bytes")
+    ax_b.legend(fontsize=7)
+    ax_t.set_xscale("log", base=2)
+    ax_t.set_yscale("log")
+    ax_t.set_xlabel("ranks (FakeWorld, modelled shared storage)")
+    ax_t.set_ylabel("modelled storage time, s")
+    ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -150,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     asy = _load(os.path.join(args.results, "async.json"))
     if asy:
         async_blocked(asy, os.path.join(args.out, "async_blocked.png"))
+    once = _load(os.path.join(args.results, "read_once.json"))
+    if once:
+        read_once(once, os.path.join(args.out, "read_once.png"))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ SUITES = {
     "save-vs-raw": "benchmarks.bench_save_vs_raw",
     "async": "benchmarks.bench_async",
     "multirank": "benchmarks.bench_multirank",
+    "read-once": "benchmarks.bench_read_once",
     "replica-check": "benchmarks.bench_replica_check",
     "scale": "benchmarks.bench_scale",
     "gpu": "benchmarks.bench_gpu_staging",

@@ -204,6 +204,7 @@ def load(
     fault: FaultHook | None = None,
     observer: Observer | None = None,
     atomic: bool = False,
+    read_once: bool | None = None,
 ) -> None:
     """Load into ``state_dict`` in place, resharding as needed (API-1).
 
@@ -216,7 +217,9 @@ def load(
     may reference (LOAD-8). A failed load leaves no destination holding bytes
     that failed their check (LOAD-20); ``atomic=True`` leaves every
     destination and ``Stateful`` as it was, at the cost of a host copy of the
-    state dict's tensors during the load (LOAD-21).
+    state dict's tensors during the load (LOAD-21). ``read_once=True`` has
+    each stored item several ranks read read by one of them and sent to the
+    others (ONCE-6); ``None`` keeps the planner's setting.
     """
     _require_id(storage_reader, checkpoint_id, "storage_reader")
     c = resolve_comm(comm, process_group, no_dist)
@@ -227,7 +230,7 @@ def load(
         state_dict=state_dict,
         reader=storage_reader,
         reader_factory=_reader_factory(checkpoint_id),
-        planner=_load_planner(planner, safe_globals),
+        planner=_load_planner(planner, safe_globals, read_once),
         checkpoint_id=checkpoint_id,
         verify=verify,
         atomic=atomic,
@@ -244,11 +247,20 @@ def load(
         del ctx
 
 
-def _load_planner(planner: LoadPlanner | None, safe_globals: Sequence[Any]) -> LoadPlanner:
-    """The planner a load uses; ``safe_globals`` goes to refdcp's DefaultLoadPlanner (LOAD-8)."""
+def _load_planner(
+    planner: LoadPlanner | None, safe_globals: Sequence[Any], read_once: bool | None = None
+) -> LoadPlanner:
+    """The planner a load uses; ``safe_globals`` (LOAD-8) and ``read_once`` (ONCE-6) go to
+    refdcp's DefaultLoadPlanner."""
     from refdcp.planning import DefaultLoadPlanner
 
     p = planner or _default_load_planner()
+    if read_once is not None:
+        if not isinstance(p, DefaultLoadPlanner):
+            raise ValueError(
+                f"read_once= applies to refdcp's DefaultLoadPlanner, not {type(p).__name__}"
+            )
+        p.read_once = read_once
     if safe_globals:
         if not isinstance(p, DefaultLoadPlanner):
             raise ValueError(

@@ -23,11 +23,17 @@ import torch.distributed as dist
 from refdcp.comm.base import DEFAULT_TIMEOUT_S
 from refdcp.comm.departures import POLL_S, PeerWatch, store_of
 from refdcp.errors import CollectiveMismatch, CommAborted, CommError, CommTimeout
+from refdcp.storage.format.items import raw_view
 
 __all__ = ["TorchDistComm"]
 
 _OPS = ("gather", "scatter", "broadcast", "all_gather", "barrier")
 _MAX_POLL_S = 0.005
+#: An all-gather whose largest payload is over this many bytes moves each rank's payload
+#: in broadcasts of its own (see ``TorchDistComm.all_gather``).
+BROADCAST_ABOVE = 4 << 20
+#: In such an all-gather, buffers of at least this many bytes travel out of band.
+OUT_OF_BAND_MIN = 64 << 10
 
 
 class TorchDistComm:
@@ -128,12 +134,55 @@ class TorchDistComm:
         return _loads(buf)
 
     def all_gather(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        data = _dumps(obj)
-        deadline, size = self._header("all_gather", len(data), timeout, max)
+        """Small payloads in one all-gather padded to the largest. Once any rank's payload
+        is over ``BROADCAST_ABOVE`` bytes, each rank's payload moves in broadcasts of its
+        own instead (Gloo broadcasts large buffers several times faster than it all-gathers
+        them, and nothing is padded), its large buffers (numpy arrays, bytearrays of at
+        least ``OUT_OF_BAND_MIN`` bytes) out of band, without a copy into the pickle
+        (COMM-63), as a read-once load's pieces are (ONCE-3)."""
+        head, raws = _dumps_out_of_band(obj)
+        total = len(head) + sum(r.nbytes for r in raws)
+        inband = None if total > BROADCAST_ABOVE else (_dumps(obj) if raws else head)
+        announced = total if inband is None else len(inband)
+        deadline, sizes = self._header_sizes("all_gather", announced, timeout)
+        if max(sizes) > BROADCAST_ABOVE:
+            return self._all_gather_by_broadcasts(head, raws, deadline)
+        assert inband is not None  # announced <= max(sizes) <= BROADCAST_ABOVE
+        size = max(max(sizes), 1)
         out = [self._empty(size) for _ in range(self._world_size)]
-        work = dist.all_gather(out, self._to_tensor(data, size), group=self._group, async_op=True)
+        work = dist.all_gather(out, self._to_tensor(inband, size), group=self._group, async_op=True)
         self._wait(work, deadline, "all_gather")
         return [_loads(t) for t in out]
+
+    def _all_gather_by_broadcasts(
+        self, head: bytes, raws: list[memoryview], deadline: float
+    ) -> list[Any]:
+        left = max(deadline - time.monotonic(), 1e-3)
+        manifests = self.all_gather([len(head), *(r.nbytes for r in raws)], timeout=left)
+        sent: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        works = []
+        for src, (head_len, *lengths) in enumerate(manifests):
+            mine = src == self._rank
+            head_t = self._to_tensor(head, head_len) if mine else self._empty(head_len)
+            if mine:
+                bufs = [_writable_tensor(r).to(self._device) for r in raws]  # NCCL: on GPU
+            else:
+                bufs = [self._empty(n) for n in lengths]
+            root = src if self._group is None else dist.get_global_rank(self._group, src)
+            for t in [head_t, *bufs]:  # issued together: Gloo may move several at once
+                if t.numel():
+                    works.append(dist.broadcast(t, src=root, group=self._group, async_op=True))
+            sent.append((head_t, bufs))
+        for work in works:
+            self._wait(work, deadline, "all_gather")
+        out: list[Any] = []
+        for src, (head_t, bufs) in enumerate(sent):
+            if src == self._rank:  # a fresh copy of this rank's own contribution too (COMM-32)
+                out.append(pickle.loads(head, buffers=[bytearray(r) for r in raws]))
+            else:
+                host = [b.cpu().numpy() for b in bufs]
+                out.append(pickle.loads(raw_view(head_t.cpu()), buffers=host))
+        return out
 
     def barrier(self, *, timeout: float | None = None) -> None:
         self._header("barrier", 0, timeout, max)
@@ -142,6 +191,12 @@ class TorchDistComm:
 
     def _header(self, op: str, nbytes: int, timeout: float | None, pick: Any) -> tuple[float, int]:
         """Exchange (op, seq, size); check agreement; return (deadline, payload size)."""
+        deadline, sizes = self._header_sizes(op, nbytes, timeout)
+        size: int = pick(sizes)
+        return deadline, max(size, 1)
+
+    def _header_sizes(self, op: str, nbytes: int, timeout: float | None) -> tuple[float, list[int]]:
+        """Exchange (op, seq, size); check agreement; return (deadline, every rank's size)."""
         if self._broken is not None:  # COMM-52
             raise CommError(f"communicator unusable after an earlier failure: {self._broken}")
         limit = self._timeout if timeout is None else float(timeout)
@@ -162,8 +217,7 @@ class TorchDistComm:
                     f"(collective #{rows[0][1]}) but rank {r} called {_OPS[r_op]} "
                     f"(collective #{r_seq})"
                 )
-        size: int = pick([row[2] for row in rows])
-        return deadline, max(size, 1)
+        return deadline, [row[2] for row in rows]
 
     def _wait(self, work: Any, deadline: float, op: str) -> None:
         """Poll ``work`` until done or ``deadline``; map failures to CommTimeout/CommAborted."""
@@ -228,8 +282,11 @@ class TorchDistComm:
         return torch.empty(size, dtype=torch.uint8, device=self._device)
 
     def _to_tensor(self, data: bytes, size: int) -> torch.Tensor:
-        buf = bytearray(size)
-        buf[: len(data)] = data
+        if len(data) == size:
+            buf = bytearray(data)  # one copy, no zero-fill first
+        else:
+            buf = bytearray(size)
+            buf[: len(data)] = data
         t = torch.frombuffer(buf, dtype=torch.uint8)
         return t if self._device.type == "cpu" else t.to(self._device)
 
@@ -242,6 +299,27 @@ class TorchDistComm:
 
 def _coordinator_value(values: list[int]) -> int:
     return values[0]
+
+
+def _dumps_out_of_band(obj: Any) -> tuple[bytes, list[memoryview]]:
+    """The pickle of ``obj`` with its large buffers left out (protocol 5), and those buffers."""
+    raws: list[memoryview] = []
+
+    def keep(buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if raw.nbytes < OUT_OF_BAND_MIN:
+            return True  # in band
+        raws.append(raw)
+        return False
+
+    return pickle.dumps(obj, protocol=5, buffer_callback=keep), raws
+
+
+def _writable_tensor(raw: memoryview) -> torch.Tensor:
+    """A uint8 CPU tensor over ``raw`` (a copy only when ``raw`` is read-only)."""
+    if raw.readonly:
+        raw = memoryview(bytearray(raw))
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def _dumps(obj: Any) -> bytes:

@@ -278,6 +278,9 @@ class LoadContext(_Base):
         if hasattr(self.planner, "apply_loaded_values"):
             deferring: Any = self.planner
             deferring.defer_nested_values = True  # placed at apply (LOAD-19)
+        if hasattr(self.planner, "read_once_outgoing"):
+            exchanging: Any = self.planner
+            exchanging.exchange_read_once = True  # pieces ride in the read outcomes (ONCE-3)
         metadata = self.reader.read_metadata()
         self.slots[Slot.METADATA] = metadata
         self.planner.set_up_planner(sd, metadata, self.coordinator)
@@ -315,11 +318,16 @@ class LoadContext(_Base):
         """Read this rank's items into the destination state dict (LOAD-4)."""
         assert self.planner is not None and self.reader is not None
         self.reader.read_data(self.slots[Slot.FINAL_PLAN], self.planner).wait()
-        self.slots[Slot.READ_OUTCOME] = True
+        outgoing = getattr(self.planner, "read_once_outgoing", None)
+        sent = outgoing(self.verify) if outgoing is not None else None  # ONCE-3
+        self.slots[Slot.READ_OUTCOME] = True if sent is None else sent
 
     def step_apply(self) -> None:
         """Hand loaded values to Stateful objects; replace other top-level values (LOAD-5, API-2)."""
         sd = self.slots[Slot.FLAT_STATE_DICT]
+        receive = getattr(self.planner, "read_once_receive", None)
+        if receive is not None:  # the boxes other ranks read for this one (ONCE-3)
+            receive(self.slots.pop(Slot.READ_OUTCOMES), self.verify)
         place = getattr(self.planner, "apply_loaded_values", None)
         if place is not None:
             place()  # nested non-tensor values (LOAD-19)

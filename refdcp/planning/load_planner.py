@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
+from refdcp.errors import RefdcpError
+from refdcp.storage.format.items import copy_into_destination
 from refdcp.storage.fs.small_reads import register_default_methods
 from refdcp.storage.metadata.safe_globals import (
     UnsafeObjectError,
@@ -31,6 +33,19 @@ from refdcp.storage.metadata.stored_layout import check_tiling
 from .flatten import Flattened, flatten_state_dict, set_by_rich_path
 from .load_policy import LoadPolicy, LoadPolicyError, check_load
 from .local_plan import resolve_tensor_chunk
+from .read_once import (
+    ReadOnceOffer,
+    ReadOnceRole,
+    ReadOnceState,
+    Sent,
+    assign_readers,
+    box_key,
+    check_sender,
+    is_bytes,
+    piece,
+    split_plans,
+    unpiece,
+)
 from .resharding import read_items_for_chunks, whole_tensor_read
 
 __all__ = ["DefaultLoadPlanner"]
@@ -68,7 +83,9 @@ class DefaultLoadPlanner(LoadPlanner):
     checkpoint keys the state dict lacks; ``allow_cast`` permits dtype
     conversion; ``safe_globals`` extends the allow-list of globals non-tensor
     values may reference (LOAD-8); ``allow_pickle`` loads non-tensor objects
-    with ``weights_only=False``.
+    with ``weights_only=False``; ``read_once`` (default False) has each stored item
+    that several ranks read read by one of them and sent to the others, when
+    refdcp's ``load`` drives the planner (ONCE-1..7).
     """
 
     def __init__(
@@ -82,6 +99,7 @@ class DefaultLoadPlanner(LoadPlanner):
         allow_cast: bool = False,
         allow_pickle: bool = False,
         safe_globals: Sequence[Any] = (),
+        read_once: bool = False,
     ) -> None:
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultLoadPlanner always flattens (FLAT-1)")
@@ -101,6 +119,11 @@ class DefaultLoadPlanner(LoadPlanner):
         self.deferred: list[tuple[Any, Any]] = []
         self.metadata: Metadata | None = None
         self.is_coordinator = False
+        self.read_once = read_once
+        #: set by refdcp's load driver, which carries the pieces in its read outcomes and
+        #: calls read_once_outgoing / read_once_receive (ONCE-6); torch's dcp.load does not
+        self.exchange_read_once = False
+        self._once: ReadOnceState | None = None
 
     def set_up_planner(
         self,
@@ -112,6 +135,7 @@ class DefaultLoadPlanner(LoadPlanner):
             raise ValueError("DefaultLoadPlanner needs the checkpoint's metadata")
         self.original_state_dict = state_dict
         self.deferred = []
+        self._once = None  # nothing of an earlier read-once load is kept (ONCE-2)
         self.flat = flatten_state_dict(state_dict)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -153,16 +177,95 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
         if problems:
             raise LoadPolicyError(problems)
-        return LoadPlan(items)
+        offer = ReadOnceOffer() if self.read_once and self.exchange_read_once else None
+        return LoadPlan(items, planner_data=offer)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """With ``read_once`` offered by every rank: one reader per stored item several
+        ranks read (ONCE-1, ONCE-2); otherwise the local plans as they are."""
+        if len(global_plan) > 1 and all(
+            isinstance(p.planner_data, ReadOnceOffer) for p in global_plan
+        ):
+            assert self.metadata is not None
+            return split_plans(global_plan, assign_readers(global_plan, self.metadata))
         return global_plan
 
     def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        self._once = None
+        role = central_plan.planner_data
+        if not isinstance(role, ReadOnceRole):
+            return central_plan
+        once = self._once = ReadOnceState(role)
+        own = [item for item in central_plan.items if item not in once.fetch]
+        once.own = {box_key(item): item for item in own}
+        extra = []
+        if self.policy.allow_cast:  # a cast destination cannot give the stored values back
+            for key, item in once.own.items():
+                if (
+                    key in once.sending
+                    and not is_bytes(item)
+                    and self.resolve_tensor(item).dtype != self._stored_dtype(item)
+                ):
+                    extra.append(once.add_fetch(item))
+        if extra:
+            central_plan = LoadPlan(
+                [*central_plan.items, *extra],
+                storage_data=central_plan.storage_data,
+                planner_data=role,
+            )
         return central_plan
+
+    def read_once_outgoing(self, verify: bool | None) -> Sent | None:
+        """This rank's read outcome in a read-once load: the boxes it read for the others,
+        called once its reads (and their checks) have returned (ONCE-3, ONCE-4)."""
+        once = self._once
+        if once is None:
+            return None
+        pieces: dict[Any, Any] = {}
+        for key in once.role.sends:
+            if key in once.blobs:
+                pieces[key] = once.blobs[key]
+            elif key in once.scratch:
+                pieces[key] = piece(once.scratch[key])
+            else:
+                pieces[key] = piece(self.resolve_tensor(once.own[key]))
+        once.scratch.clear()
+        once.blobs.clear()
+        return Sent(verify, pieces)
+
+    def read_once_receive(self, outcomes: list[Any], verify: bool | None) -> None:
+        """Copy the boxes other ranks read for this one into its destinations (ONCE-3);
+        refdcp's driver calls it at the start of the apply step, once every rank has read
+        (LOAD-5)."""
+        once, self._once = self._once, None
+        if once is None:
+            return
+        senders: dict[int, Sent] = {}
+        for item, src in once.role.receives:
+            sent = senders.get(src)
+            if sent is None:
+                sent = senders[src] = check_sender(outcomes[src], src, verify)
+            key = box_key(item)
+            if key not in sent.pieces:
+                raise RefdcpError(
+                    f"read-once load: rank {src} sent no box {list(key[2])}+{list(key[3])} "
+                    f"of {key[0]!r} chunk {list(key[1])}"
+                )
+            if is_bytes(item):
+                self.load_bytes(item, io.BytesIO(sent.pieces[key]))
+            else:
+                copy_into_destination(self, item, unpiece(sent.pieces[key]))
+
+    def _stored_dtype(self, item: ReadItem) -> torch.dtype:
+        assert self.metadata is not None
+        md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        return md.properties.dtype
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickle (weights-only unless ``allow_pickle``) into the original nesting (PLAN-7, FLAT-2)."""
+        if self._once is not None:
+            self._once.keep_blob(read_item, value)  # sent to the ranks that need it (ONCE-3)
         fqn = read_item.dest_index.fqn
         obj = load_object(fqn, value, self.policy.allow_pickle, self.safe_globals)
         path = self.flat.rich[fqn]
@@ -180,7 +283,11 @@ class DefaultLoadPlanner(LoadPlanner):
             set_by_rich_path(self.original_state_dict, path, obj)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """A view of the destination chunk narrowed to the read's box (RESHARD-1)."""
+        """A view of the destination chunk narrowed to the read's box (RESHARD-1); a
+        scratch tensor for a box read only for other ranks (ONCE-2)."""
+        once = self._once
+        if once is not None and once.fetch and read_item in once.fetch:
+            return once.scratch_for(read_item, self._stored_dtype(read_item))
         obj = self.flat.items[read_item.dest_index.fqn]
         if (
             type(obj) in _PLAIN_TENSORS

@@ -44,7 +44,7 @@ from .format import METADATA
 from .metadata import chunk_problems
 from .save_planner import chunk_of
 
-__all__ = ["ReferenceLoadPlanner", "reads_for_chunk", "wanted_chunks"]
+__all__ = ["ReferenceLoadPlanner", "read_once_readers", "reads_for_chunk", "wanted_chunks"]
 
 
 class ReferenceLoadPlanner(LoadPlanner):
@@ -216,3 +216,45 @@ def _coverage_problem(fqn: str, target: ChunkStorageMetadata, reads: list[ReadIt
         f"{fqn!r}: the checkpoint's chunks {how} in the target chunk at {list(target.offsets)} "
         f"sizes {list(target.sizes)} ({got} of {want} elements read)"
     ]
+
+
+def read_once_readers(plans: list[LoadPlan], metadata: Metadata) -> dict[tuple[Any, ...], int]:
+    """Which rank reads each stored item that several ranks read, in a read-once load (ONCE-1).
+
+    A stored item is one saved chunk (its FQN and offsets) or one non-tensor
+    value (its FQN and ``()``). Each rank's load starts at the bytes of the
+    items only it reads; then the shared items, largest first (ties by key),
+    each go to the least loaded rank among those that read it (ties to the
+    lowest rank), whose load grows by the item's bytes (a chunk's bytes, 1 for
+    a non-tensor value, as DEDUP-3 counts). The planner's ``assign_readers``
+    gives the same answer (ONCE-8).
+    """
+    holders: dict[tuple[Any, ...], list[int]] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            offset = item.storage_index.offset
+            key = (item.storage_index.fqn, () if offset is None else tuple(offset))
+            ranks = holders.setdefault(key, [])
+            if rank not in ranks:
+                ranks.append(rank)
+    load = [0] * len(plans)
+    for key, ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += _stored_bytes(metadata, key)
+    shared = [key for key, ranks in holders.items() if len(ranks) > 1]
+    readers = {}
+    for key in sorted(shared, key=lambda k: (-_stored_bytes(metadata, k), k)):
+        reader = min(holders[key], key=lambda r: (load[r], r))
+        load[reader] += _stored_bytes(metadata, key)
+        readers[key] = reader
+    return readers
+
+
+def _stored_bytes(metadata: Metadata, key: tuple[Any, ...]) -> int:
+    md = metadata.state_dict_metadata[key[0]]
+    if not isinstance(md, TensorStorageMetadata):
+        return 1
+    for chunk in md.chunks:
+        if tuple(chunk.offsets) == key[1]:
+            return math.prod(chunk.sizes) * md.properties.dtype.itemsize
+    return 0
