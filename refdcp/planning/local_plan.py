@@ -114,6 +114,7 @@ def object_write_items(fqn: str, obj: object) -> list[WriteItem]:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_FQN = attrgetter("index.fqn")
 _new = object.__new__
 _set = object.__setattr__
 _TENSOR = WriteItemType.TENSOR
@@ -198,7 +199,7 @@ def tensors_without_chunks(
     flat: Mapping[str, Any], items: Iterable[WriteItem]
 ) -> dict[str, tuple[TensorProperties, torch.Size]]:
     """Sharded values for which this rank plans no chunk: their dtype and global shape (META-1)."""
-    planned = {i.index.fqn for i in items}
+    planned = set(map(_FQN, items))  # in C
     out: dict[str, tuple[TensorProperties, torch.Size]] = {}
     for fqn in filterfalse(planned.__contains__, flat):  # in C: usually none is left
         obj = flat[fqn]

@@ -62,7 +62,7 @@ from refdcp.storage.format.items import (
     verify_blob,
     whole_chunk,
 )
-from refdcp.storage.format.records import storage_info, write_result
+from refdcp.storage.format.records import small_write_result, write_result
 from refdcp.storage.format.small_tensors import small_tensor_parts
 from refdcp.storage.format.tensor_values import bytes_are_values
 from refdcp.storage.fs.checked_read import read_checked_into
@@ -567,23 +567,29 @@ class FileSystemWriter(_AtPath, StorageWriter):
             if self._transforms is not None:  # every item through torch's extensions (FMT-23)
                 results = write_transformed_items(out, name, ordered, planner, self._transforms)
                 ordered = []
+            # looked up once for the loop: it runs once per item
+            byte_io, tensor, parts_of, write_small = (
+                WriteItemType.BYTE_IO,
+                torch.Tensor,
+                small_tensor_parts,
+                out.write_small,
+            )
             for item in ordered:
                 data = resolve(item)
                 enc: Encoded
-                if item.type == WriteItemType.BYTE_IO:
+                if item.type == byte_io:
                     if not isinstance(data, io.BytesIO | bytes):
                         raise RefdcpError(f"{item.index.fqn}: BYTE_IO data must be io.BytesIO")
                     enc = encode_bytes(data)
                 else:
-                    if not isinstance(data, torch.Tensor):
+                    if not isinstance(data, tensor):
                         raise RefdcpError(f"{item.index.fqn}: tensor item resolved to {type(data)}")
-                    small = small_tensor_parts(data)
+                    small = parts_of(data)
                     if small is not None:  # the same bytes as encode_tensor, fewer objects
-                        head, raw, tail, length, crc, data_offset, value = small
+                        head, raw, tail, length, _, _, _ = small
                         offset = out.position
-                        out.write_small(head, raw, tail, length, data)
-                        info = storage_info(name, offset, length, crc, data_offset)
-                        append(write_result(item.index, length, info, value))
+                        write_small(head, raw, tail, length, data)
+                        append(small_write_result(item.index, name, offset, small))
                         continue
                     enc = encode_tensor(data, by_writer=True)
                 if enc.data_offset is not None and enc.length >= INPLACE_MIN_BYTES:
