@@ -214,13 +214,13 @@ def _small_items(n: int) -> dict[str, Any]:
     return {f"t{i}": torch.full((1024,), float(i)) for i in range(n)}
 
 
-@pytest.mark.spec("STORE-59", "STORE-4", "STORE-15")
+@pytest.mark.spec("STORE-60", "STORE-4", "STORE-15")
 def test_small_items_are_handed_to_writeback_before_the_fsync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each >= 4 MiB batch of small items is handed to writeback once written, in order and
     without a gap; the data file's fsync comes after the last hand-over; no hint without
-    sync_files (STORE-59, STORE-15)."""
+    sync_files (STORE-60, STORE-15)."""
     events: list[tuple[Any, ...]] = []
     real = fs_mod._SYNC_FILE_RANGE
 
@@ -265,7 +265,7 @@ def test_small_items_are_handed_to_writeback_before_the_fsync(
     assert events == []
 
 
-@pytest.mark.spec("STORE-59")
+@pytest.mark.spec("STORE-60")
 @pytest.mark.parametrize("hint", ["missing", "failing"])
 def test_a_missing_or_failing_writeback_hint_changes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hint: str

@@ -195,7 +195,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; wait f
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing ``nbytes`` of ``fd`` from ``offset`` to the device now,
-    without waiting (STORE-59). Only a hint: where the call is missing or fails nothing
+    without waiting (STORE-60). Only a hint: where the call is missing or fails nothing
     happens, and durability still comes from the ``fsync`` that follows."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
@@ -205,7 +205,7 @@ class _FileOut:
     """Gathers small buffers and writes them with ``os.writev``; large ones go straight out.
 
     With ``writeback`` (a save that fsyncs its files), each gathered batch it writes is
-    handed to the kernel's writeback at once (STORE-59), so the disk writes while the
+    handed to the kernel's writeback at once (STORE-60), so the disk writes while the
     next items are framed and the final ``fsync`` waits only for the last batches.
     """
 
