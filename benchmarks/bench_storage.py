@@ -17,6 +17,9 @@ alternately just before or after it, with a raw page-cache ``readinto`` of the
 checkpoint's own data files into page-aligned memory (tensors are page-aligned;
 a ``bytearray``'s 16-byte offset makes the kernel's copy 2-3x slower on the
 benchmark VM, so it would flatter the loads).
+Each workload also prints the median CPU seconds of each call (user + system, all
+threads of the trial's process) and their torch/refdcp ratio, which a loaded
+machine's waits for a CPU do not change.
 
 Run: ``.venv/bin/python -m benchmarks.bench_storage [--trials N] [--only NAME]``.
 
@@ -313,6 +316,22 @@ def _row(
         )
 
 
+def _cpu_line(
+    name: str,
+    res: dict[tuple[str, str], list[tuple[float, float, int, float, float, float]]],
+    impls: tuple[str, str],
+) -> None:
+    """Median CPU seconds of the call (user + system, every thread of the trial's process)
+    per implementation: a ratio that a loaded machine's waits for a CPU do not change."""
+    parts = []
+    for op in ("save", "load"):
+        cpu = [statistics.median(r[4] for r in res[(i, op)]) for i in impls]
+        parts.append(
+            f"{op} {impls[0]} {cpu[0]:.3f} / {impls[1]} {cpu[1]:.3f} = {cpu[0] / cpu[1]:.2f}x"
+        )
+    print(f"  {name} CPU s (median): " + "; ".join(parts), flush=True)
+
+
 def _loadavg(avg: tuple[float, float, float]) -> str:
     return " ".join(f"{x:.1f}" for x in avg)
 
@@ -442,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     shutil.rmtree(path, ignore_errors=True)
             _row(name, count * nbytes, res, impls)
+            if impls != DEFAULTS_IMPLS:
+                _cpu_line(name, res, impls)
             if pair:
                 _paired_lines(name, count * nbytes, res, paired, impls)
             print(

@@ -210,6 +210,80 @@ def test_fsync_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert synced == []
 
 
+def _small_items(n: int) -> dict[str, Any]:
+    return {f"t{i}": torch.full((1024,), float(i)) for i in range(n)}
+
+
+@pytest.mark.spec("STORE-60", "STORE-4", "STORE-15")
+def test_small_items_are_handed_to_writeback_before_the_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each >= 4 MiB batch of small items is handed to writeback once written, in order and
+    without a gap; the data file's fsync comes after the last hand-over; no hint without
+    sync_files (STORE-60, STORE-15)."""
+    events: list[tuple[Any, ...]] = []
+    real = fs_mod._SYNC_FILE_RANGE
+
+    def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        events.append(
+            (
+                "range",
+                os.readlink(f"/proc/self/fd/{fd}"),
+                offset,
+                nbytes,
+                flags,
+                os.fstat(fd).st_size,
+            )
+        )
+        return real(fd, offset, nbytes, flags) if real is not None else 0
+
+    real_fsync = os.fsync
+
+    def spy_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(fs_mod, "_SYNC_FILE_RANGE", spy)
+    monkeypatch.setattr(fs_mod.os, "fsync", spy_fsync)
+    sd = _small_items(3000)  # 12 MiB of 4 KiB items in one data file
+    save(sd, FileSystemWriter(tmp_path))
+    ranges = [e for e in events if e[0] == "range"]
+    data = {e[1] for e in ranges}
+    assert len(data) == 1 and data.pop().endswith(".distcp")
+    assert len(ranges) >= 2
+    at = 0
+    for _, _, offset, nbytes, flags, size in ranges:
+        assert (offset, flags) == (at, 2)  # contiguous from the start, SYNC_FILE_RANGE_WRITE
+        assert nbytes >= 4 << 20 and offset + nbytes <= size  # only bytes already written
+        at = offset + nbytes
+    fsync_at = [i for i, e in enumerate(events) if e[0] == "fsync" and e[1] == ranges[0][1]]
+    assert len(fsync_at) == 1 and fsync_at[0] > events.index(ranges[-1])
+    out = load({k: torch.zeros(1024) for k in sd}, FileSystemReader(tmp_path))
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    events.clear()
+    save(sd, FileSystemWriter(tmp_path / "nosync", sync_files=False))
+    assert events == []
+
+
+@pytest.mark.spec("STORE-60")
+@pytest.mark.parametrize("hint", ["missing", "failing"])
+def test_a_missing_or_failing_writeback_hint_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hint: str
+) -> None:
+    calls: list[int] = []
+
+    def failing(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        calls.append(nbytes)
+        return -1
+
+    monkeypatch.setattr(fs_mod, "_SYNC_FILE_RANGE", None if hint == "missing" else failing)
+    sd = _small_items(2000)
+    save(sd, FileSystemWriter(tmp_path))
+    assert (hint == "failing") == bool(calls)
+    out = load({k: torch.zeros(1024) for k in sd}, FileSystemReader(tmp_path))
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+
 @pytest.mark.spec("STORE-8")
 def test_bucketing_matches_torch(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.filesystem import _split_by_size_and_type

@@ -12,8 +12,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 import refdcp
+from refdcp.storage.format import records
 from refdcp.storage.format.items import encode_tensor, make_storage_info
-from refdcp.storage.format.records import FAST, storage_info, write_result
+from refdcp.storage.format.records import FAST, small_write_result, storage_info, write_result
 from refdcp.storage.format.small_tensors import SMALL_MAX_BYTES, small_tensor_parts
 
 PLAIN = [
@@ -65,6 +66,30 @@ def test_records_equal_torchs_constructors() -> None:
     idx = MetadataIndex("w", [0])
     assert write_result(idx, 5, fast) == WriteResult(index=idx, size_in_bytes=5, storage_data=slow)
     assert isinstance(fast, _StorageInfo) and fast.transform_descriptors is None
+
+
+@pytest.mark.spec("INTEG-1", "STORE-52")
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "constructors"])
+@pytest.mark.parametrize("t", PLAIN[:3], ids=lambda t: f"{t.dtype}{tuple(t.shape)}")
+def test_small_write_result_is_write_result_of_storage_info(
+    t: torch.Tensor, fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's one-call record of a small item is the two builders' (fields, their
+    order, the value digest on the result, the pickled bytes of the stored record)."""
+    monkeypatch.setattr(records, "FAST", fast)
+    parts = small_tensor_parts(t)
+    assert parts is not None
+    _, _, _, length, crc, data_offset, value = parts
+    idx = MetadataIndex("w", [0])
+    got = small_write_result(idx, "__0_0.distcp", 128, parts)
+    want = write_result(
+        idx, length, storage_info("__0_0.distcp", 128, length, crc, data_offset), value
+    )
+    assert got == want and list(vars(got)) == list(vars(want))
+    assert list(vars(got.storage_data)) == list(vars(want.storage_data))
+    assert vars(got.storage_data) == vars(want.storage_data)
+    assert pickle.dumps(got.storage_data) == pickle.dumps(want.storage_data)
+    assert records.value_crc_of(got) == value
 
 
 @pytest.mark.spec("SAVE-10", "LOAD-10")

@@ -114,6 +114,7 @@ def object_write_items(fqn: str, obj: object) -> list[WriteItem]:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_FQN = attrgetter("index.fqn")
 _new = object.__new__
 _set = object.__setattr__
 _TENSOR = WriteItemType.TENSOR
@@ -150,11 +151,15 @@ def _properties(t: torch.Tensor) -> TensorProperties:
     return props
 
 
-def plain_tensor_item(fqn: str, t: torch.Tensor) -> WriteItem:
+def plain_tensor_item(
+    fqn: str, t: torch.Tensor, shared: dict[tuple[int, torch.Size], TensorWriteData] | None = None
+) -> WriteItem:
     """The TENSOR item of a plain tensor (PLAN-1): equal to the one torch's constructors build.
 
     Equal values share objects (the zero offsets, the properties; META-8), so
-    the pickled ``.metadata`` stores them once.
+    the pickled ``.metadata`` stores them once. With ``shared`` (one dict for the
+    items of one plan), items of equal dtype, properties and shape also share
+    one ``TensorWriteData`` and so one whole-tensor chunk (META-8).
     """
     size = t.size()
     off = _zero_offset(len(size))
@@ -165,17 +170,22 @@ def plain_tensor_item(fqn: str, t: torch.Tensor) -> WriteItem:
         _set(index, "offset", off)  # torch's constructor copies it; keep the shared one
         data = TensorWriteData(chunk=chunk, properties=props, size=size)
         return WriteItem(index=index, type=_TENSOR, tensor_data=data)
-    chunk = _new(ChunkStorageMetadata)
-    _set(chunk, "__dict__", {"offsets": off, "sizes": size})
+    key = (id(props), size)  # props: one object per value, kept alive by _PROPERTIES
+    found = None if shared is None else shared.get(key)
+    if found is None:
+        chunk = _new(ChunkStorageMetadata)
+        _set(chunk, "__dict__", {"offsets": off, "sizes": size})
+        found = _new(TensorWriteData)
+        _set(found, "__dict__", {"chunk": chunk, "properties": props, "size": size})
+        if shared is not None:
+            shared[key] = found
     index = _new(MetadataIndex)
     _set(index, "__dict__", {"fqn": fqn, "index": None, "offset": off})  # torch's field order
-    data = _new(TensorWriteData)
-    _set(data, "__dict__", {"chunk": chunk, "properties": props, "size": size})
     item = _new(WriteItem)
     _set(
         item,
         "__dict__",
-        {"index": index, "type": _TENSOR, "bytes_io_data": None, "tensor_data": data},
+        {"index": index, "type": _TENSOR, "bytes_io_data": None, "tensor_data": found},
     )
     return item
 
@@ -189,7 +199,7 @@ def tensors_without_chunks(
     flat: Mapping[str, Any], items: Iterable[WriteItem]
 ) -> dict[str, tuple[TensorProperties, torch.Size]]:
     """Sharded values for which this rank plans no chunk: their dtype and global shape (META-1)."""
-    planned = {i.index.fqn for i in items}
+    planned = set(map(_FQN, items))  # in C
     out: dict[str, tuple[TensorProperties, torch.Size]] = {}
     for fqn in filterfalse(planned.__contains__, flat):  # in C: usually none is left
         obj = flat[fqn]
@@ -207,9 +217,10 @@ def save_items(flat: Mapping[str, Any]) -> list[WriteItem]:
     """All write items of a flattened state dict, in key order (PLAN-1)."""
     items: list[WriteItem] = []
     append, extend = items.append, items.extend
+    shared: dict[tuple[int, torch.Size], TensorWriteData] = {}  # one per value (META-8)
     for fqn, obj in flat.items():
         if type(obj) in _PLAIN_TENSORS:
-            append(plain_tensor_item(fqn, obj))
+            append(plain_tensor_item(fqn, obj, shared))
         else:
             extend(object_write_items(fqn, obj))
     return items

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR
 
-__all__ = ["fields_are", "storage_info", "write_result"]
+__all__ = ["fields_are", "small_write_result", "storage_info", "write_result"]
 
 _new = object.__new__
 _set = object.__setattr__
@@ -88,6 +88,38 @@ def write_result(
     if value_crc is not None:
         state[VALUE_CRC_ATTR] = value_crc
     _set(result, "__dict__", state)
+    return result
+
+
+def small_write_result(
+    index: MetadataIndex, relative_path: str, offset: int, parts: tuple[Any, ...]
+) -> WriteResult:
+    """The ``WriteResult`` of an item written from
+    :func:`~refdcp.storage.format.small_tensors.small_tensor_parts`' ``parts`` at ``offset``:
+    ``write_result(index, length, storage_info(relative_path, offset, length, crc,
+    data_offset), value_crc)``, built in one call (it runs once per small item)."""
+    _, _, _, length, crc, data_offset, value_crc = parts
+    if not FAST:
+        info = storage_info(relative_path, offset, length, crc, data_offset)
+        return write_result(index, length, info, value_crc)
+    info = _new(_StorageInfo)
+    _set(
+        info,
+        "__dict__",
+        {
+            "relative_path": relative_path,
+            "offset": offset,
+            "length": length,
+            CRC_ATTR: crc,
+            DATA_OFFSET_ATTR: data_offset,
+        },
+    )
+    result = _new(WriteResult)
+    _set(
+        result,
+        "__dict__",
+        {"index": index, "size_in_bytes": length, "storage_data": info, VALUE_CRC_ATTR: value_crc},
+    )
     return result
 
 
