@@ -448,3 +448,26 @@ def test_gloo_world_2_reads_once_bit_exact_and_every_rank_raises_on_a_bad_reader
             for outcome in bad:  # every rank raises, naming the reader, key and file
                 assert outcome[0] == "raised" and outcome[2] == [victim]
                 assert f"'w{victim}'" in outcome[1] and file in outcome[1]
+
+
+@pytest.mark.spec("ONCE-7", "ONCE-5")
+def test_gloo_world_4_reads_each_byte_once_and_every_rank_raises_on_a_bad_reader() -> None:
+    """Four Gloo ranks, four replicated tensors: each rank reads one, the stored bytes
+    read add up to the checkpoint once; a flipped byte in the one rank 3 reads makes all
+    four raise, naming rank 3, the key and the file."""
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/ckpt"
+        _gloo_load(0, 1, path, "save")
+        stored = sum(
+            i.length for i in refdcp.FileSystemReader(path).read_metadata().storage_data.values()
+        )
+        good = run_gloo(4, _gloo_load, path, "load", timeout=180)
+        assert sum(b for b, _ in good) == stored and all(ok for _, ok in good)
+        assert all(b > 0 for b, _ in good)  # the reads are spread over every rank
+        copy = f"{d}/copy"
+        shutil.copytree(path, copy)
+        file = _corrupt(Path(copy), "w3")
+        bad = run_gloo(4, _gloo_load, copy, "load", timeout=180)
+        for outcome in bad:
+            assert outcome[0] == "raised" and outcome[2] == [3]
+            assert "'w3'" in outcome[1] and file in outcome[1]
