@@ -185,6 +185,8 @@ def _fork(job: Any, timeout: float) -> tuple[int, int, float, float]:
     if pid == 0:  # child
         os.close(r)
         os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         result: dict[str, Any]
         try:
             null = os.open(os.devnull, os.O_WRONLY)
@@ -220,8 +222,22 @@ def _finish(pid: int, fd: int, chunks: list[bytes], timed_out: bool) -> dict[str
 
 def run_jobs(jobs: list[tuple[Any, float]], parallel: int, on_done: Any) -> None:
     """Run ``(job, timeout)`` pairs in forked children, at most ``parallel`` at once."""
-    pending = list(enumerate(jobs))[::-1]
     running: dict[int, tuple[int, int, float, float, list[bytes]]] = {}
+    try:
+        _run_jobs(jobs, parallel, on_done, running)
+    except BaseException:  # stopped: no child outlives the run
+        for fd, (_, pid, _, _, chunks) in list(running.items()):
+            _finish(pid, fd, chunks, True)
+        raise
+
+
+def _run_jobs(
+    jobs: list[tuple[Any, float]],
+    parallel: int,
+    on_done: Any,
+    running: dict[int, tuple[int, int, float, float, list[bytes]]],
+) -> None:
+    pending = list(enumerate(jobs))[::-1]
     while pending or running:
         while pending and len(running) < parallel:
             i, (job, timeout) = pending.pop()
@@ -403,6 +419,14 @@ def _rebind(changed: dict[int, Any], package: str) -> None:
             new = changed.get(id(v))
             if new is not None:
                 d[k] = new
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached the parent: write what was judged so far, then stop."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 class ImportTimeFailure(Exception):
@@ -790,6 +814,19 @@ def main() -> int:
 
     done = [0]
 
+    def partial(note: str) -> None:
+        write_reports(
+            [r for r in records if r.status],
+            report_path,
+            sample,
+            seed,
+            len(population),
+            time.monotonic() - t_start,
+            sorted(failing),
+            commit=commit_at_start,
+            note=note,
+        )
+
     def keep(i: int, res: dict[str, Any]) -> None:
         rec, m, suite = job_records[i]
         status = res.get("status", "error")
@@ -811,6 +848,8 @@ def main() -> int:
         if rec.killed_by:
             rec.killed_by_ids = sorted(tests[rec.killed_by].ids) if rec.killed_by in tests else []
         done[0] += 1
+        if done[0] % 25 == 0 and not rerun:
+            partial(f"in progress: {done[0]} of {len(job_list)} runs done")
         print(
             f"  [{done[0]}/{len(job_list)}] {res.get('status', 'error'):<9} "
             f"{float(res.get('seconds', 0.0)):5.1f}s {rec.id}{' [' + suite + ']' if suite else ''} "
@@ -820,16 +859,24 @@ def main() -> int:
 
     # The children's garbage collections then skip every object the parent holds (torch, the
     # test modules): the same collections, over the objects the tests make (HARN-25).
+    stopped = ""
     gc.collect()
     gc.freeze()
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         run_jobs(job_list, jobs, keep)
+    except Stopped as e:
+        stopped = f"stopped by {e} after {done[0]} of {len(job_list)} runs; only the mutants judged are listed"
+        print(f"mutation: {stopped}", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         gc.unfreeze()
     elapsed = time.monotonic() - t_start
     if rerun and os.environ.get("MUTATION_MERGE") == "1":
         # re-judge the survivors of a report in place (new tests, same source)
-        new = {r.id: r for r in records}
+        new = {r.id: r for r in records if r.status}
         merged = [new.get(r["id"]) or Record(**r) for r in old["mutants"]]
         meta = dict(old["meta"])
         note = f"survivors re-judged at {commit_at_start} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({elapsed:.0f} s)"
@@ -846,16 +893,7 @@ def main() -> int:
             note=note,
         )
     else:
-        write_reports(
-            records,
-            report_path,
-            sample,
-            seed,
-            len(population),
-            elapsed,
-            sorted(failing),
-            commit=commit_at_start,
-        )
+        partial(stopped)
     print(
         f"mutation: report in {report_path} and {report_path.with_suffix('.md')} ({elapsed:.0f} s)"
     )
