@@ -1,0 +1,59 @@
+"""The reference dedup's decision records (DEDUP-10) and its greedy rule (DEDUP-2, DEDUP-3,
+DEDUP-5), checked on the reference alone: exact bytes, the loads each reason names, one record
+per replicated item, largest items first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refdcp.planning.local_plan import save_items
+from refdcp.reference.dedup import chunk_nbytes, reference_dedup
+
+
+@pytest.mark.spec("DEDUP-3", "DEDUP-10")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (2, 1, 4)])
+def test_a_chunk_counts_its_elements_times_the_element_size(
+    dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    (item,) = save_items({"w": torch.zeros(shape, dtype=dtype)})
+    n = torch.zeros(shape, dtype=dtype).numel() * torch.zeros((), dtype=dtype).element_size()
+    assert chunk_nbytes(item) == n
+    (obj,) = save_items({"o": [1, 2, 3]})
+    assert chunk_nbytes(obj) == 1
+
+
+@pytest.mark.spec("DEDUP-2", "DEDUP-10")
+def test_reasons_name_the_holders_loads_in_bytes_so_far() -> None:
+    plans = [save_items({"a": torch.zeros(4), "b": torch.zeros(2)}) for _ in range(2)]
+    _, _, decisions = reference_dedup(plans)
+    assert [(d.fqn, d.writer, d.nbytes) for d in decisions] == [("a", 0, 16), ("b", 1, 8)]
+    assert decisions[0].reason.endswith("(0 B; r0=0, r1=0)")
+    assert decisions[1].reason.endswith("(0 B; r0=16, r1=0)")
+
+
+@pytest.mark.spec("DEDUP-2", "DEDUP-3", "DEDUP-5", "DEDUP-10")
+def test_bytes_a_rank_writes_alone_count_against_it() -> None:
+    """Rank 0 writes 40 bytes of its own, so the shared item goes to rank 1, whose load is 0."""
+    plans = [
+        save_items({"own0": torch.zeros(10), "shared": torch.zeros(4)}),
+        save_items({"shared": torch.zeros(4)}),
+    ]
+    kept, problems, decisions = reference_dedup(plans)
+    assert problems == []
+    assert [[i.index.fqn for i in p] for p in kept] == [["own0"], ["shared"]]
+    assert [(d.fqn, d.holders, d.writer) for d in decisions] == [("shared", [0, 1], 1)]
+    assert decisions[0].reason.endswith("(0 B; r0=40, r1=0)")
+
+
+@pytest.mark.spec("DEDUP-2", "DEDUP-10")
+def test_one_record_per_replicated_item_largest_first() -> None:
+    plans = [
+        save_items({"small": torch.zeros(1), "big": torch.zeros(8), "mine": torch.zeros(2)}),
+        save_items({"small": torch.zeros(1), "big": torch.zeros(8)}),
+    ]
+    kept, _, decisions = reference_dedup(plans, bytes_on_coordinator=False)
+    # "mine" (8 B on rank 0) is no decision; "big" (32 B) is decided before "small" (4 B)
+    assert [(d.fqn, d.nbytes, d.writer) for d in decisions] == [("big", 32, 1), ("small", 4, 0)]
+    assert [sorted(i.index.fqn for i in p) for p in kept] == [["mine", "small"], ["big"]]
