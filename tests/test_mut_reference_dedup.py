@@ -57,3 +57,40 @@ def test_one_record_per_replicated_item_largest_first() -> None:
     # "mine" (8 B on rank 0) is no decision; "big" (32 B) is decided before "small" (4 B)
     assert [(d.fqn, d.nbytes, d.writer) for d in decisions] == [("big", 32, 1), ("small", 4, 0)]
     assert [sorted(i.index.fqn for i in p) for p in kept] == [["mine", "small"], ["big"]]
+
+
+@pytest.mark.spec("DEDUP-2", "DEDUP-7", "DEDUP-10")
+@pytest.mark.parametrize("coordinator", [0, 1, 2])
+def test_objects_go_to_the_coordinator_when_it_holds_them_else_to_the_least_loaded(
+    coordinator: int,
+) -> None:
+    plans = [
+        save_items({"own": torch.zeros(3), "o": {"x": 1}, "t": torch.zeros(1)}),
+        save_items({"o": {"x": 1}, "t": torch.zeros(1)}),
+        save_items({}),
+    ]
+    _, _, decisions = reference_dedup(plans, coordinator_rank=coordinator)
+    by = {d.fqn: d for d in decisions}
+    if coordinator in (0, 1):  # a holder: the object stays on it
+        assert by["o"].writer == coordinator and "coordinator" in by["o"].reason
+    else:  # not a holder: least loaded (rank 0 wrote 12 bytes of its own)
+        assert by["o"].writer == 1 and "fewest bytes" in by["o"].reason
+    assert by["t"].writer == 1 and "fewest bytes" in by["t"].reason  # tensors never follow it
+    _, _, plain = reference_dedup(plans, coordinator_rank=coordinator, bytes_on_coordinator=False)
+    assert {d.fqn: d.writer for d in plain} == {"t": 1, "o": 1}
+    _, _, low = reference_dedup(plans, coordinator_rank=coordinator, lowest_rank=True)
+    assert {d.fqn: d.writer for d in low} == {"t": 0, "o": 0}
+    assert all("lowest holding rank" in d.reason for d in low)
+
+
+@pytest.mark.spec("DEDUP-4", "DEDUP-10")
+def test_replicas_of_two_shapes_are_reported_with_their_ranks() -> None:
+    plans = [
+        save_items({"w": torch.zeros(4)}),
+        save_items({"w": torch.zeros(4)}),
+        save_items({"w": torch.zeros(5)}),
+    ]
+    _, problems, _ = reference_dedup(plans)
+    assert len(problems) == 1
+    assert "disagree in type, dtype or shape" in problems[0]
+    assert "ranks [0, 1] hold" in problems[0] and "ranks [2] hold" in problems[0]
