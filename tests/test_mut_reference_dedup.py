@@ -4,9 +4,13 @@ per replicated item, largest items first."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.local_plan import save_items
 from refdcp.reference.dedup import chunk_nbytes, reference_dedup
 
@@ -94,3 +98,17 @@ def test_replicas_of_two_shapes_are_reported_with_their_ranks() -> None:
     assert len(problems) == 1
     assert "disagree in type, dtype or shape" in problems[0]
     assert "ranks [0, 1] hold" in problems[0] and "ranks [2] hold" in problems[0]
+
+
+@pytest.mark.spec("DEDUP-4", "DEDUP-10")
+def test_an_object_and_a_tensor_under_one_key_are_described_as_such() -> None:
+    """A custom planner may list a tensor under an index with no offset, the key of an object."""
+    (t,) = save_items({"k": torch.zeros(2, dtype=torch.int64)})
+    t = dataclasses.replace(t, index=MetadataIndex("k"))
+    plans = [save_items({"k": "text"}), [t]]
+    _, problems, _ = reference_dedup(plans)
+    assert problems == [
+        "replicas of 'k' disagree in type, dtype or shape: ranks [0] hold a non-tensor object; "
+        "ranks [1] hold a tensor of chunk shape (2,), dtype torch.int64, global shape (2,)"
+    ]
+    assert dedup_items(plans).problems == problems  # the fast dedup says the same (DEDUP-9)
