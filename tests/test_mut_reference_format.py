@@ -96,3 +96,15 @@ def test_the_metadata_size_cap_is_one_gib() -> None:
         fmt.load_metadata(_Sized((1 << 30) + 1), ".metadata")  # type: ignore[arg-type]
     with pytest.raises(LookupError):
         fmt.load_metadata(_Sized(1 << 30), ".metadata")  # type: ignore[arg-type]
+
+
+@pytest.mark.spec("INTEG-2", "REF-1")
+def test_a_trailer_without_its_final_newline_is_no_trailer() -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from refdcp.storage import CorruptionError
+
+    data = fmt.dump_metadata(Metadata(state_dict_metadata={}))
+    assert fmt.load_metadata(data, ".metadata").state_dict_metadata == {}
+    with pytest.raises(CorruptionError, match="lacks its checksum trailer"):
+        fmt.load_metadata(data[:-1] + b"x", ".metadata")
