@@ -15,6 +15,8 @@ Environment (all optional):
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
   MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests);
                     with MUTATION_MERGE=1 their new verdicts replace the old ones in that report
+  MUTATION_RESUME   a JSON report of an earlier, stopped run of the same source: its judged
+                    mutants are kept as they are and only the others are run
   MUTATION_REPORT   where the JSON report goes (default mutation/last-run.json; the
                     Markdown summary goes beside it with the suffix .md)
 
@@ -335,6 +337,19 @@ def baseline_job(tests: list[str], files: set[str]) -> Any:
     return job
 
 
+def _no_shrinking() -> None:
+    """In a mutant's child: hypothesis stops at the first failing example instead of shrinking
+    it (a failure is a failure; a smaller example would not change the verdict, HARN-25)."""
+    from hypothesis import Phase, settings
+
+    current = settings.default
+    if current is None or Phase.shrink not in current.phases:
+        return
+    phases = tuple(p for p in current.phases if p not in (Phase.shrink, Phase.explain))
+    settings.register_profile("mutation-child", settings(current, phases=phases))
+    settings.load_profile("mutation-child")
+
+
 def mutant_job(m: Mutant, tests: list[str], order: Any = None) -> Any:
     """A child's job: patch ``m`` in and run ``tests`` with ``-x``; ``order`` (called in the
     child, so at fork time) may reorder the tests, never add or drop one."""
@@ -354,6 +369,7 @@ def mutant_job(m: Mutant, tests: list[str], order: Any = None) -> Any:
             return {"status": "killed", "killed_by": "<import>", "error": str(e)}
         except Exception as e:
             return {"status": "error", "error": f"not patchable: {type(e).__name__}: {e}"}
+        _no_shrinking()
         out = _Outcomes()
         rc = int(pytest.main(_pytest_args(tests), plugins=[out]))
         if rc == 0:
@@ -778,6 +794,17 @@ def main() -> int:
     durations: dict[str, float] = base["durations"]
     hits: dict[str, dict[str, list[str]]] = base["hits"]
 
+    resumed: dict[str, dict[str, Any]] = {}
+    if os.environ.get("MUTATION_RESUME"):
+        prev = json.loads(Path(os.environ["MUTATION_RESUME"]).read_text(encoding="utf-8"))
+        resumed = {
+            r["id"]: r
+            for r in prev["mutants"]
+            if r["status"]
+            and r["status"] != "equivalent"
+            and (not suites.covers(r["file"]) or len(r.get("suites", {})) == 2)
+        }
+        print(f"mutation: {len(resumed)} judged mutants kept from {os.environ['MUTATION_RESUME']}")
     records: list[Record] = []
     job_list: list[tuple[Any, float]] = []
     job_records: list[tuple[Record, Mutant, str]] = []  # (record, mutant, suite or "")
@@ -798,6 +825,9 @@ def main() -> int:
         records.append(rec)
         if m.id in equivalent:
             rec.status, rec.note = "equivalent", equivalent[m.id]
+            continue
+        if m.id in resumed:
+            records[-1] = Record(**resumed[m.id])
             continue
         if not pool:
             rec.status, rec.note = "survived", "no test citing the module's IDs runs this line"

@@ -178,3 +178,18 @@ def test_the_report_counts_what_each_suite_kills(tmp_path: Path) -> None:
         "equivalent": 1,
         "error": 0,
     }
+
+
+@pytest.mark.spec("HARN-25")
+def test_a_mutant_child_does_not_shrink_hypothesis_examples_and_the_parent_is_untouched() -> None:
+    from hypothesis import Phase, settings
+
+    def child() -> dict[str, Any]:
+        run._no_shrinking()
+        assert settings.default is not None
+        return {"status": "ok", "phases": [p.name for p in settings.default.phases]}
+
+    got: dict[int, dict[str, Any]] = {}
+    run.run_jobs([(child, 60.0)], 1, lambda i, r: got.__setitem__(i, r))
+    assert "generate" in got[0]["phases"] and "shrink" not in got[0]["phases"]
+    assert settings.default is not None and Phase.shrink in settings.default.phases
