@@ -1,0 +1,31 @@
+"""The reference global metadata (refdcp/reference/metadata.py) on its own: each problem is
+worded with its kind and the ranks that listed the FQN (META-2..4), the records it builds
+(META-1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from refdcp.planning.local_plan import save_items
+from refdcp.reference.metadata import build_metadata
+
+
+@pytest.mark.spec("META-4", "REF-1")
+def test_an_object_written_by_two_ranks_is_a_problem_naming_them() -> None:
+    plans = [save_items({"x": 1}), save_items({}), save_items({"x": 1})]
+    md, problems = build_metadata(plans)
+    assert isinstance(md["x"], BytesStorageMetadata)
+    assert problems == [
+        "'x': saved as bytes by several ranks, or as bytes and as a tensor (ranks [0, 2])"
+    ]
+
+
+@pytest.mark.spec("META-3", "META-1", "REF-1")
+def test_overlapping_chunks_name_their_ranks_and_are_all_recorded() -> None:
+    plans = [save_items({"w": torch.zeros(4)}), save_items({"w": torch.zeros(4)})]
+    md, problems = build_metadata(plans)
+    w = md["w"]
+    assert isinstance(w, TensorStorageMetadata) and len(w.chunks) == 2
+    assert problems == ["'w': chunks overlap (ranks [0, 1])"]
