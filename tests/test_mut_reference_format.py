@@ -108,3 +108,105 @@ def test_a_trailer_without_its_final_newline_is_no_trailer() -> None:
     assert fmt.load_metadata(data, ".metadata").state_dict_metadata == {}
     with pytest.raises(CorruptionError, match="lacks its checksum trailer"):
         fmt.load_metadata(data[:-1] + b"x", ".metadata")
+
+
+def _md(records: dict[Any, Any] | None = None, **tensors: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sd = {
+        fqn: TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32),
+            torch.Size(size),
+            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+        )
+        for fqn, (size, chunks) in tensors.items()
+    }
+    return Metadata(state_dict_metadata=sd, storage_data=records or {})
+
+
+def _rec(path: Any = "__0_0.distcp", offset: Any = 0, length: Any = 8) -> Any:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(path, offset, length)
+
+
+def _idx(fqn: str, *off: int) -> Any:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    return MetadataIndex(fqn, torch.Size(off))
+
+
+@pytest.mark.spec("FMT-7", "REF-1")
+def test_an_unknown_format_or_version_is_refused() -> None:
+    from refdcp.storage import FormatVersionError
+
+    md = _md()
+    md.version = "9.9.9"
+    with pytest.raises(FormatVersionError):
+        fmt.load_metadata(fmt.dump_metadata(md), ".metadata")
+    md = _md()
+    md.refdcp_format = 2
+    body = pickle.dumps(md)
+    import crc32c
+
+    data = body + fmt.TRAILER + b"%08x\n" % crc32c.crc32c(body)
+    with pytest.raises(FormatVersionError):
+        fmt.load_metadata(data, ".metadata")
+
+
+@pytest.mark.spec("FMT-6", "REF-1")
+def test_a_dtype_name_from_another_module_is_refused() -> None:
+    for data in (b"cbuiltins\nfloat32\n.", b"ccollections\nSize\n."):
+        with pytest.raises(UnsafeMetadataError, match="not allowed"):
+            fmt.load_metadata(data, ".metadata")
+
+
+@pytest.mark.spec("STORE-26", "FMT-9", "REF-1")
+def test_every_non_empty_chunk_needs_a_record_and_empty_ones_do_not() -> None:
+    from refdcp.storage import MalformedMetadataError
+
+    ok = _md({_idx("w", 0): _rec()}, w=((2,), [((0,), (2,))]), e=((0,), [((0,), (0,))]))
+    assert set(fmt.load_metadata(fmt.dump_metadata(ok), "m").state_dict_metadata) == {"w", "e"}
+    # an empty chunk listed first does not excuse the non-empty one after it
+    bad = _md({}, w=((3,), [((0,), (0,)), ((0,), (3,))]))
+    with pytest.raises(MalformedMetadataError, match="no storage record"):
+        fmt.load_metadata(fmt.dump_metadata(bad), "m")
+    with pytest.raises(MalformedMetadataError, match="no storage record"):
+        fmt.load_metadata(fmt.dump_metadata(_md({}, w=((2,), [((0,), (2,))]))), "m")
+
+
+@pytest.mark.spec("STORE-26", "FMT-9", "REF-1")
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "a/b", "a\\b", "a\0b", "x" * 256, 5, None], ids=repr
+)
+def test_a_record_must_name_a_plain_file(name: Any) -> None:
+    from refdcp.storage import UnsafePathError
+
+    md = _md({_idx("w", 0): _rec(name)}, w=((2,), [((0,), (2,))]))
+    with pytest.raises(UnsafePathError):
+        fmt.load_metadata(fmt.dump_metadata(md), "m")
+    fine = _md({_idx("w", 0): _rec("x" * 255)}, w=((2,), [((0,), (2,))]))
+    fmt.load_metadata(fmt.dump_metadata(fine), "m")
+
+
+@pytest.mark.spec("STORE-26", "FMT-29", "REF-1")
+def test_records_need_non_negative_ranges_that_share_no_byte() -> None:
+    from refdcp.storage import MalformedMetadataError
+
+    two = {"w": ((4,), [((0,), (2,)), ((2,), (2,))])}
+    for off, length in ((-1, 8), (0, -1), (0.0, 8), (0, True)):
+        md = _md(
+            {_idx("w", 0): _rec(offset=off, length=length), _idx("w", 2): _rec(offset=100)}, **two
+        )
+        with pytest.raises(MalformedMetadataError):
+            fmt.load_metadata(fmt.dump_metadata(md), "m")
+    apart = _md({_idx("w", 0): _rec(offset=0, length=8), _idx("w", 2): _rec(offset=8)}, **two)
+    fmt.load_metadata(fmt.dump_metadata(apart), "m")
+    shared = _md({_idx("w", 0): _rec(offset=0, length=8), _idx("w", 2): _rec(offset=7)}, **two)
+    with pytest.raises(MalformedMetadataError, match="share bytes"):
+        fmt.load_metadata(fmt.dump_metadata(shared), "m")
