@@ -19,7 +19,7 @@ from refdcp.comm import SingleRank
 from refdcp.errors import CheckpointError
 from refdcp.reference import ReferenceReader
 from refdcp.reference import format as fmt
-from refdcp.reference.load_planner import ReferenceLoadPlanner
+from refdcp.reference.load_planner import ReferenceLoadPlanner, reads_for_chunk
 
 
 def _saved(tmp_path: Path, sd: dict[str, Any]) -> Any:
@@ -69,3 +69,17 @@ def test_stored_chunks_that_overlap_are_refused_before_any_read(tmp_path: Path) 
     with pytest.raises(CheckpointError, match="do not tile"):
         refdcp.reference.load(sd, checkpoint_id=tmp_path, comm=SingleRank())
     assert torch.equal(sd["w"], torch.zeros(4))
+
+
+def _c(off: tuple[int, ...], size: tuple[int, ...]) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(torch.Size(off), torch.Size(size))
+
+
+@pytest.mark.spec("RESHARD-1", "RESHARD-3", "REF-4")
+def test_one_read_per_saved_chunk_sharing_an_element_with_the_target() -> None:
+    target = _c((2, 0), (2, 4))
+    saved = [_c((0, 0), (0, 4)), _c((0, 0), (2, 4)), _c((2, 0), (2, 4)), _c((4, 0), (2, 4))]
+    (read,) = reads_for_chunk("w", 0, target, saved)  # the empty and the touching ones: none
+    assert read.storage_index.offset == torch.Size((2, 0))
+    assert (read.dest_offsets, read.storage_offsets, read.lengths) == ((0, 0), (0, 0), (2, 4))
+    assert reads_for_chunk("w", 0, _c((0, 0), (0, 4)), saved) == []
