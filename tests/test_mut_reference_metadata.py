@@ -29,3 +29,20 @@ def test_overlapping_chunks_name_their_ranks_and_are_all_recorded() -> None:
     w = md["w"]
     assert isinstance(w, TensorStorageMetadata) and len(w.chunks) == 2
     assert problems == ["'w': chunks overlap (ranks [0, 1])"]
+
+
+@pytest.mark.spec("META-4", "REF-1")
+def test_an_fqn_saved_as_an_object_and_as_a_tensor_is_one_bytes_problem() -> None:
+    plans = [save_items({"x": "obj"}), save_items({"x": torch.zeros(3)})]
+    _, problems = build_metadata(plans)
+    assert problems == [
+        "'x': saved as bytes by several ranks, or as bytes and as a tensor (ranks [0, 1])"
+    ]
+
+
+@pytest.mark.spec("META-4", "REF-1")
+def test_ranks_disagreeing_on_dtype_or_shape_are_one_problem() -> None:
+    for other in (torch.zeros(2, dtype=torch.int64), torch.zeros(3)):
+        plans = [save_items({"w": torch.zeros(2)}), save_items({"w": other})]
+        _, problems = build_metadata(plans)
+        assert problems == ["'w': ranks disagree on dtype or global shape (ranks [0, 1])"]
