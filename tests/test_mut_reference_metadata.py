@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from refdcp.planning.local_plan import save_items
-from refdcp.reference.metadata import build_metadata
+from refdcp.reference.metadata import build_metadata, chunk_problems
 
 
 @pytest.mark.spec("META-4", "REF-1")
@@ -46,3 +50,32 @@ def test_ranks_disagreeing_on_dtype_or_shape_are_one_problem() -> None:
         plans = [save_items({"w": torch.zeros(2)}), save_items({"w": other})]
         _, problems = build_metadata(plans)
         assert problems == ["'w': ranks disagree on dtype or global shape (ranks [0, 1])"]
+
+
+@pytest.mark.spec("META-2", "META-3", "REF-1")
+@pytest.mark.parametrize(
+    ("size", "chunks", "want"),
+    [
+        ((2,), [((0,), (2,)), ((1,), (0,))], []),  # an empty chunk inside a full one
+        ((1,), [((0,), (1,)), ((0,), (1,))], ["overlap"]),  # one element written twice
+        ((3,), [((0,), (2,)), ((2,), (1,)), ((1,), (1,))], ["overlap"]),  # not neighbours
+        ((4,), [((0,), (1,)), ((2,), (2,))], ["cover"]),  # a hole
+        ((2,), [((1,), (2,))], ["outside"]),
+        ((), [((), ())], []),
+        ((), [((), ()), ((), ())], ["cover"]),
+    ],
+)
+def test_chunk_problems_on_small_layouts(
+    size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], want: list[str]
+) -> None:
+    assert chunk_problems(size, chunks) == want
+
+
+@pytest.mark.spec("META-3", "PLAN-1", "REF-1")
+def test_a_tensor_no_rank_wrote_a_chunk_of_is_a_cover_problem() -> None:
+    props = TensorProperties(dtype=torch.float32)
+    md, problems = build_metadata([[], []], {"w": (props, torch.Size([2]))})
+    assert isinstance(md["w"], TensorStorageMetadata) and md["w"].chunks == []
+    assert problems == ["'w': the chunks do not cover the whole tensor (ranks [])"]
+    plans = [save_items({"w": torch.zeros(2)}), []]
+    assert build_metadata(plans, {"w": (props, torch.Size([2]))})[1] == []
