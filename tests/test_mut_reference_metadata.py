@@ -61,6 +61,7 @@ def test_ranks_disagreeing_on_dtype_or_shape_are_one_problem() -> None:
         ((3,), [((0,), (2,)), ((2,), (1,)), ((1,), (1,))], ["overlap"]),  # not neighbours
         ((4,), [((0,), (1,)), ((2,), (2,))], ["cover"]),  # a hole
         ((2,), [((1,), (2,))], ["outside"]),
+        ((2, 2), [((0, 0), (2, 1)), ((0, 1), (2, 2))], ["outside"]),
         ((), [((), ())], []),
         ((), [((), ()), ((), ())], ["cover"]),
     ],
