@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 import refdcp.reference
 from refdcp.comm import FakeWorld
-from refdcp.reference.save_planner import ReferenceSavePlanner
+from refdcp.reference.save_planner import ReferenceSavePlanner, _tensor_item, write_items
 
 
 def _sd(rank: int) -> dict[str, Any]:
@@ -54,3 +54,30 @@ def test_an_object_s_bytes_are_handed_over_from_their_start() -> None:
     data = planner.resolve_data(item)
     assert isinstance(data, io.BytesIO) and data.tell() == 0
     assert torch.load(data, weights_only=True) == "text"
+
+
+class _Shards:
+    """A value that lists its own write items (PLAN-3), as LocalShards-like wrappers do."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def __create_write_items__(self, fqn: str, value: Any) -> list[Any]:
+        out, off = [], 0
+        for n in self.sizes:
+            out.append(
+                _tensor_item(
+                    fqn, torch.zeros(n), [off], torch.Size([sum(self.sizes)]), WriteItemType.SHARD
+                )
+            )
+            off += n
+        return out
+
+
+@pytest.mark.spec("PLAN-1", "PLAN-3", "REF-1")
+def test_empty_shards_a_value_lists_are_dropped() -> None:
+    items = write_items("s", _Shards([2, 0, 3]))
+    assert [(tuple(i.index.offset), tuple(i.tensor_data.chunk.sizes)) for i in items] == [
+        ((0,), (2,)),
+        ((2,), (3,)),
+    ]
