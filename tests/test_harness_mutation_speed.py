@@ -193,3 +193,24 @@ def test_a_mutant_child_does_not_shrink_hypothesis_examples_and_the_parent_is_un
     run.run_jobs([(child, 60.0)], 1, lambda i, r: got.__setitem__(i, r))
     assert "generate" in got[0]["phases"] and "shrink" not in got[0]["phases"]
     assert settings.default is not None and Phase.shrink in settings.default.phases
+
+
+@pytest.mark.spec("HARN-8", "HARN-9", "HARN-26")
+def test_the_full_run_reports_and_their_document_agree() -> None:
+    """Each committed full-run report (every mutant of a package) is stated in tests/MUTATION.md
+    with its counts, score and commit, met or not."""
+    reports = sorted((ROOT / "mutation" / "full-run").glob("*.json"))
+    assert reports, "no full-run report is committed"
+    doc = (ROOT / "tests" / "MUTATION.md").read_text(encoding="utf-8")
+    for path in reports:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        assert data["meta"]["sample"] == 0 and data["meta"]["commit"][:7] in doc
+        for pkg, s in data["scores"].items():
+            pct = run.score_percent(s)
+            n = sum(s.values())
+            row = f"| {pkg} | {n} | {s['killed']} | {s['survived']} | {s['equivalent']} | {s['error']} | "
+            assert row + ("n/a" if pct is None else f"{pct:.0f} %") in doc, (path.name, row)
+        if "reference_suites" in data:
+            rs = data["reference_suites"]
+            assert f"run the reference kill {rs['reference']} " in doc
+            assert f"differential tests kill {rs['differential']} " in doc
