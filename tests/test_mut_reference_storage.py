@@ -3,14 +3,18 @@ directory and records the save's id in the metadata (REF-1, SAVE-1)."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import refdcp.reference
-from refdcp.comm import FakeWorld
-from refdcp.reference import ReferenceReader
+from refdcp.comm import FakeWorld, SingleRank
+from refdcp.reference import ReferenceReader, ReferenceWriter
+from refdcp.reference.save_planner import ReferenceSavePlanner
 
 
 @pytest.mark.spec("REF-1", "SAVE-1", "STORE-2")
@@ -26,3 +30,75 @@ def test_a_save_creates_missing_directories_and_records_its_id(tmp_path: Path) -
         f"__0_0.{token}.distcp",
         f"__1_0.{token}.distcp",
     ]
+
+
+def _save(path: Path, sd: dict[str, Any], **kw: Any) -> None:
+    refdcp.reference.save(sd, storage_writer=ReferenceWriter(path, **kw), comm=SingleRank())
+
+
+@pytest.mark.spec("STORE-50", "FMT-3", "REF-1")
+def test_tensors_start_on_64_byte_boundaries_after_odd_sized_objects(tmp_path: Path) -> None:
+    sd = {"o": "x" * 7, "a": torch.arange(3, dtype=torch.int8), "b": torch.ones(5), "p": [1]}
+    _save(tmp_path, sd)
+    md = ReferenceReader(tmp_path).read_metadata()
+    offsets = {i.fqn: info.offset for i, info in md.storage_data.items()}
+    for fqn in ("a", "b"):
+        info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+        assert info.offset % 64 == 0 and (info.offset + info.refdcp_data_offset) % 64 == 0
+    assert offsets["o"] < offsets["a"] and offsets["p"] < offsets["a"]  # objects first
+    out: dict[str, Any] = {
+        "o": "",
+        "a": torch.zeros(3, dtype=torch.int8),
+        "b": torch.zeros(5),
+        "p": [0],
+    }
+    refdcp.reference.load(out, checkpoint_id=tmp_path, comm=SingleRank())
+    assert out["o"] == sd["o"] and torch.equal(out["b"], sd["b"]) and out["p"] == [1]
+
+
+@pytest.mark.spec("STORE-4", "REF-1")
+@pytest.mark.parametrize("sync", [True, False])
+def test_files_are_flushed_and_synced_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    synced: list[tuple[str, int]] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        st = os.fstat(fd)
+        name = "<dir>" if stat.S_ISDIR(st.st_mode) else "file"
+        synced.append((name, st.st_size))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    _save(tmp_path, {"w": torch.ones(100)}, sync_files=sync)
+    data = next(tmp_path.glob("*.distcp")).stat().st_size
+    meta = (tmp_path / ".metadata").stat().st_size
+    if sync:  # each file synced whole (flushed first), then the directory after the rename
+        assert [s for s in synced if s[0] == "file"] == [("file", data), ("file", meta)]
+        assert synced[-1][0] == "<dir>"
+    else:
+        assert synced == []
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp_path.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644 & ~umask, f
+
+
+class _Failing(ReferenceSavePlanner):
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.index.fqn == "b":
+            raise RuntimeError("no data for b")
+        return super().resolve_data(write_item)
+
+
+@pytest.mark.spec("STORE-31", "REF-8")
+def test_a_failed_write_removes_the_data_file_it_began(tmp_path: Path) -> None:
+    w = ReferenceWriter(tmp_path)
+    w.set_up_storage_writer(True, rank=0)
+    planner = _Failing(check_replicas=False)  # no checksums: resolve_data runs at write time
+    planner.set_up_planner({"a": torch.ones(2), "b": torch.ones(2)}, None, True)
+    plan = w.prepare_global_plan([w.prepare_local_plan(planner.create_local_plan())])[0]
+    with pytest.raises(RuntimeError, match="no data for b"):
+        w.write_data(plan, planner)
+    assert list(tmp_path.iterdir()) == []
