@@ -71,7 +71,9 @@ def test_files_are_flushed_and_synced_only_when_asked(
         real(fd)
 
     monkeypatch.setattr(os, "fsync", spy)
+    fds = len(os.listdir("/proc/self/fd"))
     _save(tmp_path, {"w": torch.ones(100)}, sync_files=sync)
+    assert len(os.listdir("/proc/self/fd")) == fds  # every file and directory closed
     data = next(tmp_path.glob("*.distcp")).stat().st_size
     meta = (tmp_path / ".metadata").stat().st_size
     if sync:  # each file synced whole (flushed first), then the directory after the rename
@@ -102,3 +104,17 @@ def test_a_failed_write_removes_the_data_file_it_began(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="no data for b"):
         w.write_data(plan, planner)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.spec("STORE-31", "REF-8")
+def test_aborting_tolerates_files_already_gone(tmp_path: Path) -> None:
+    w = ReferenceWriter(tmp_path)
+    w.set_up_storage_writer(True, rank=0)
+    planner = ReferenceSavePlanner()
+    planner.set_up_planner({"a": torch.ones(2)}, None, True)
+    plan = w.prepare_global_plan([w.prepare_local_plan(planner.create_local_plan())])[0]
+    w.write_data(plan, planner)
+    (data,) = tmp_path.glob("*.distcp")
+    data.unlink()  # removed by someone else before the save failed
+    w.abort_save()
+    assert list(tmp_path.iterdir()) == [] and w.written == []
