@@ -118,3 +118,22 @@ def test_aborting_tolerates_files_already_gone(tmp_path: Path) -> None:
     data.unlink()  # removed by someone else before the save failed
     w.abort_save()
     assert list(tmp_path.iterdir()) == [] and w.written == []
+
+
+@pytest.mark.spec("LOAD-10", "REF-1")
+def test_verify_true_refuses_items_without_a_checksum(tmp_path: Path) -> None:
+    from refdcp.errors import CheckpointError
+    from refdcp.reference import format as fmt
+
+    _save(tmp_path, {"w": torch.arange(4.0)})
+    md = ReferenceReader(tmp_path).read_metadata()
+    for info in md.storage_data.values():
+        del info.refdcp_crc32c
+    (tmp_path / ".metadata").write_bytes(fmt.dump_metadata(md))
+    out = {"w": torch.zeros(4)}
+    with pytest.raises(CheckpointError, match="no checksum"):
+        refdcp.reference.load(out, checkpoint_id=tmp_path, comm=SingleRank(), verify=True)
+    for verify in (None, False):
+        out = {"w": torch.zeros(4)}
+        refdcp.reference.load(out, checkpoint_id=tmp_path, comm=SingleRank(), verify=verify)
+        assert torch.equal(out["w"], torch.arange(4.0))
