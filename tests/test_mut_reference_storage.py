@@ -137,3 +137,27 @@ def test_verify_true_refuses_items_without_a_checksum(tmp_path: Path) -> None:
         out = {"w": torch.zeros(4)}
         refdcp.reference.load(out, checkpoint_id=tmp_path, comm=SingleRank(), verify=verify)
         assert torch.equal(out["w"], torch.arange(4.0))
+
+
+@pytest.mark.spec("LOAD-10", "INTEG-3", "REF-1")
+def test_a_flipped_byte_is_caught_unless_verify_is_false(tmp_path: Path) -> None:
+    from refdcp.errors import CheckpointError
+
+    _save(tmp_path, {"w": torch.zeros(16, dtype=torch.uint8)})
+    md = ReferenceReader(tmp_path).read_metadata()
+    (info,) = md.storage_data.values()
+    data = tmp_path / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset + info.refdcp_data_offset + 3] ^= 1  # one byte of the tensor's values
+    data.write_bytes(bytes(raw))
+    for verify in (None, True):
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            refdcp.reference.load(
+                {"w": torch.zeros(16, dtype=torch.uint8)},
+                checkpoint_id=tmp_path,
+                comm=SingleRank(),
+                verify=verify,
+            )
+    out = {"w": torch.zeros(16, dtype=torch.uint8)}
+    refdcp.reference.load(out, checkpoint_id=tmp_path, comm=SingleRank(), verify=False)
+    assert out["w"].tolist() == [0, 0, 0, 1] + [0] * 12  # read unchecked, as asked
