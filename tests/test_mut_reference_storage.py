@@ -161,3 +161,16 @@ def test_a_flipped_byte_is_caught_unless_verify_is_false(tmp_path: Path) -> None
     out = {"w": torch.zeros(16, dtype=torch.uint8)}
     refdcp.reference.load(out, checkpoint_id=tmp_path, comm=SingleRank(), verify=False)
     assert out["w"].tolist() == [0, 0, 0, 1] + [0] * 12  # read unchecked, as asked
+
+
+@pytest.mark.spec("STORE-27", "REF-1")
+def test_a_symlinked_checkpoint_file_is_refused(tmp_path: Path) -> None:
+    from refdcp.storage import UnsafePathError
+
+    ckpt = tmp_path / "c"
+    _save(ckpt, {"w": torch.ones(2)})
+    real = tmp_path / "elsewhere"
+    (ckpt / ".metadata").rename(real)
+    (ckpt / ".metadata").symlink_to(real)
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        ReferenceReader(ckpt).read_metadata()
