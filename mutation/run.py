@@ -14,7 +14,8 @@ Environment (all optional):
   MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
   MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests);
-                    with MUTATION_MERGE=1 their new verdicts replace the old ones in that report
+                    with MUTATION_MERGE=1 their new verdicts replace the old ones in that report;
+                    with MUTATION_RERUN_SUITES=1 also the reference mutants one suite left alive
   MUTATION_RESUME   a JSON report of an earlier, stopped run of the same source: its judged
                     mutants are kept as they are and only the others are run
   MUTATION_REPORT   where the JSON report goes (default mutation/last-run.json; the
@@ -754,7 +755,10 @@ def main() -> int:
             r["id"]
             for r in old["mutants"]
             if r["status"] == "survived"
-            or any(v in ("survived", "no test") for v in r.get("suites", {}).values())
+            or (
+                os.environ.get("MUTATION_RERUN_SUITES") == "1"
+                and any(v in ("survived", "no test") for v in r.get("suites", {}).values())
+            )
         }
         chosen = [m for m in population if m.id in again]
     print(
