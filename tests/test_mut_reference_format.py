@@ -182,7 +182,9 @@ def test_every_non_empty_chunk_needs_a_record_and_empty_ones_do_not() -> None:
 
 @pytest.mark.spec("STORE-26", "FMT-9", "REF-1")
 @pytest.mark.parametrize(
-    "name", ["", ".", "..", "a/b", "a\\b", "a\0b", "x" * 256, 5, None], ids=repr
+    "name",
+    ["", ".", "..", "a/b", "a\\b", "a\0b", "x" * 256, 5, None],
+    ids=["empty", "dot", "dotdot", "slash", "backslash", "nul", "long", "int", "none"],
 )
 def test_a_record_must_name_a_plain_file(name: Any) -> None:
     from refdcp.storage import UnsafePathError
