@@ -212,5 +212,5 @@ def test_the_full_run_reports_and_their_document_agree() -> None:
             assert row + ("n/a" if pct is None else f"{pct:.0f} %") in doc, (path.name, row)
         if "reference_suites" in data:
             rs = data["reference_suites"]
-            assert f"run the reference kill {rs['reference']} " in doc
-            assert f"differential tests kill {rs['differential']} " in doc
+            assert f"run the reference kill {rs['reference']}," in doc
+            assert f"differential tests kill {rs['differential']}," in doc
