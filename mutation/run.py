@@ -14,15 +14,31 @@ Environment (all optional):
   MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
   MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests);
-                    with MUTATION_MERGE=1 their new verdicts replace the old ones in that report
+                    with MUTATION_MERGE=1 their new verdicts replace the old ones in that report;
+                    with MUTATION_RERUN_SUITES=1 also the reference mutants one suite left alive
+  MUTATION_RESUME   a JSON report of an earlier, stopped run of the same source: its judged
+                    mutants are kept as they are and only the others are run
   MUTATION_REPORT   where the JSON report goes (default mutation/last-run.json; the
                     Markdown summary goes beside it with the suffix .md)
+
+Speed without changing a verdict (a mutant is killed iff one of its selected tests fails or
+the run passes its time limit): the parent freezes its heap for the garbage collector before
+forking (a child's collections then skip torch's and the tests' objects), parses each target
+module once, and orders each mutant's tests at fork time: tests citing the mutated function's
+own IDs first, among them the tests that last killed a mutant of the same function, then of the
+same module, then the fastest (HARN-25).
+
+Mutants of the reference path (``[reference]`` in mutation/config.toml) are run twice, against
+the tests that run the reference and, separately, against the differential tests that compare it
+with the fast path; both verdicts are recorded (HARN-26).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
+import gc
 import importlib
 import json
 import os
@@ -172,6 +188,8 @@ def _fork(job: Any, timeout: float) -> tuple[int, int, float, float]:
     if pid == 0:  # child
         os.close(r)
         os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         result: dict[str, Any]
         try:
             null = os.open(os.devnull, os.O_WRONLY)
@@ -207,8 +225,22 @@ def _finish(pid: int, fd: int, chunks: list[bytes], timed_out: bool) -> dict[str
 
 def run_jobs(jobs: list[tuple[Any, float]], parallel: int, on_done: Any) -> None:
     """Run ``(job, timeout)`` pairs in forked children, at most ``parallel`` at once."""
-    pending = list(enumerate(jobs))[::-1]
     running: dict[int, tuple[int, int, float, float, list[bytes]]] = {}
+    try:
+        _run_jobs(jobs, parallel, on_done, running)
+    except BaseException:  # stopped: no child outlives the run
+        for fd, (_, pid, _, _, chunks) in list(running.items()):
+            _finish(pid, fd, chunks, True)
+        raise
+
+
+def _run_jobs(
+    jobs: list[tuple[Any, float]],
+    parallel: int,
+    on_done: Any,
+    running: dict[int, tuple[int, int, float, float, list[bytes]]],
+) -> None:
+    pending = list(enumerate(jobs))[::-1]
     while pending or running:
         while pending and len(running) < parallel:
             i, (job, timeout) = pending.pop()
@@ -306,9 +338,31 @@ def baseline_job(tests: list[str], files: set[str]) -> Any:
     return job
 
 
-def mutant_job(m: Mutant, tests: list[str]) -> Any:
+def _no_shrinking() -> None:
+    """In a mutant's child: hypothesis stops at the first failing example instead of shrinking
+    it (a failure is a failure; a smaller example would not change the verdict, HARN-25)."""
+    from hypothesis import Phase, settings
+
+    current = settings.default
+    if current is None or Phase.shrink not in current.phases:
+        return
+    phases = tuple(p for p in current.phases if p not in (Phase.shrink, Phase.explain))
+    settings.register_profile("mutation-child", settings(current, phases=phases))
+    settings.load_profile("mutation-child")
+
+
+def mutant_job(m: Mutant, tests: list[str], order: Any = None) -> Any:
+    """A child's job: patch ``m`` in and run ``tests`` with ``-x``; ``order`` (called in the
+    child, so at fork time) may reorder the tests, never add or drop one."""
+
     def job() -> dict[str, Any]:
         import pytest
+
+        nonlocal tests
+        if order is not None:
+            ordered = order(tests)
+            assert sorted(ordered) == sorted(tests)
+            tests = ordered
 
         try:
             patch(m)
@@ -316,6 +370,7 @@ def mutant_job(m: Mutant, tests: list[str]) -> Any:
             return {"status": "killed", "killed_by": "<import>", "error": str(e)}
         except Exception as e:
             return {"status": "error", "error": f"not patchable: {type(e).__name__}: {e}"}
+        _no_shrinking()
         out = _Outcomes()
         rc = int(pytest.main(_pytest_args(tests), plugins=[out]))
         if rc == 0:
@@ -383,6 +438,14 @@ def _rebind(changed: dict[int, Any], package: str) -> None:
                 d[k] = new
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached the parent: write what was judged so far, then stop."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 class ImportTimeFailure(Exception):
     """Module-level code of the mutant raised: any import of the module fails (killed)."""
 
@@ -430,7 +493,36 @@ def patch(m: Mutant, root: Path = ROOT, targets: list[str] | None = None) -> Non
     for rel, i in import_time_uses(m, root, TARGETS if targets is None else targets):
         mod = sys.modules.get(_module_name(rel))
         if mod is not None:
-            _reexec(mod, ast.parse((root / rel).read_text(encoding="utf-8")), i, str(root / rel))
+            _reexec(mod, _parsed(root / rel), i, str(root / rel))
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A target module's tree, parsed once per process (the source does not change during a run)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _called_names_cached(tree: ast.Module) -> list[tuple[set[str], set[str]]]:
+    callers: list[tuple[set[str], set[str]]] = []  # (names it stands for, names it calls)
+    for st in tree.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            callers.append(({st.name}, _called_names(st)))
+        elif isinstance(st, ast.ClassDef):
+            for sub in st.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    ctor = sub.name in ("__init__", "__post_init__", "__new__")
+                    callers.append(
+                        ({sub.name, st.name} if ctor else {sub.name}, _called_names(sub))
+                    )
+    return callers
+
+
+@functools.cache
+def _module_calls(tree: ast.Module) -> list[tuple[int, set[str]]]:
+    return [
+        (i, _called_names(st)) for i, st in enumerate(tree.body) if isinstance(st, MODULE_STMTS)
+    ]
 
 
 def _called_names(node: ast.AST) -> set[str]:
@@ -448,22 +540,18 @@ def import_time_uses(m: Mutant, root: Path, targets: list[str]) -> list[tuple[st
     import, directly or through functions, methods or classes that call it."""
     if m.scope.startswith("<module>"):
         return []
-    tree = ast.parse((root / m.file).read_text(encoding="utf-8"))
-    parts = m.scope.split(".")
+    return _import_time_uses(m.file, m.scope, root, tuple(targets))
+
+
+@functools.cache
+def _import_time_uses(
+    file: str, scope: str, root: Path, targets: tuple[str, ...]
+) -> list[tuple[str, int]]:
+    parts = scope.split(".")
     names = {parts[-1]}
     if len(parts) > 1 and parts[-1] in ("__init__", "__post_init__", "__new__"):
         names.add(parts[-2])
-    callers: list[tuple[set[str], set[str]]] = []  # (names it stands for, names it calls)
-    for st in tree.body:
-        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            callers.append(({st.name}, _called_names(st)))
-        elif isinstance(st, ast.ClassDef):
-            for sub in st.body:
-                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    ctor = sub.name in ("__init__", "__post_init__", "__new__")
-                    callers.append(
-                        ({sub.name, st.name} if ctor else {sub.name}, _called_names(sub))
-                    )
+    callers = _called_names_cached(_parsed(root / file))
     grew = True
     while grew:
         grew = False
@@ -473,9 +561,8 @@ def import_time_uses(m: Mutant, root: Path, targets: list[str]) -> list[tuple[st
                 grew = True
     out = []
     for rel in targets:
-        mtree = ast.parse((root / rel).read_text(encoding="utf-8"))
-        for i, st in enumerate(mtree.body):
-            if isinstance(st, MODULE_STMTS) and _called_names(st) & names:
+        for i, calls in _module_calls(_parsed(root / rel)):
+            if calls & names:
                 out.append((rel, i))
                 break
     return out
@@ -504,6 +591,81 @@ def tests_for_mutant(
     return pool
 
 
+class Killers:
+    """The tests that most recently killed a mutant, per function and per module (HARN-25):
+    a mutant's tests are reordered at fork time so these run first, after no test citing the
+    function's own IDs; the set of tests and so the verdict stay the same."""
+
+    KEEP = 3
+
+    def __init__(self) -> None:
+        self.recent: dict[str, list[str]] = defaultdict(list)
+
+    def record(self, m: Mutant, test: str) -> None:
+        for key in (f"{m.file}::{m.scope}", m.file):
+            lst = self.recent[key]
+            if test in lst:
+                lst.remove(test)
+            lst.insert(0, test)
+            del lst[self.KEEP :]
+
+    def order(
+        self, m: Mutant, pool: list[str], ids: set[str], tests: dict[str, TestInfo]
+    ) -> list[str]:
+        first = self.recent.get(f"{m.file}::{m.scope}", []) + self.recent.get(m.file, [])
+        rank = {}
+        for i, t in enumerate(first):
+            rank.setdefault(t, i)
+        pos = {t: i for i, t in enumerate(pool)}
+        return sorted(
+            pool, key=lambda t: (not (tests[t].ids & ids), rank.get(t, len(first)), pos[t])
+        )
+
+
+# ---------------------------------------------------------------- the reference path (HARN-26)
+
+
+@dataclass
+class Suites:
+    """``[reference]`` of mutation/config.toml: which modules are the reference path and which
+    tests are its differential suite (the rest of a mutant's tests run the reference)."""
+
+    prefix: str = ""
+    run_files: tuple[str, ...] = ()
+    differential_files: tuple[str, ...] = ()
+    differential_ids: frozenset[str] = frozenset()
+
+    def covers(self, rel: str) -> bool:
+        return bool(self.prefix) and rel.startswith(self.prefix)
+
+    def member(self, nodeid: str, info: TestInfo) -> bool:
+        """Whether a test may judge a reference mutant at all (beyond citing its IDs)."""
+        f = nodeid.split("::")[0]
+        return f in self.run_files or self.differential(nodeid, info)
+
+    def differential(self, nodeid: str, info: TestInfo) -> bool:
+        return nodeid.split("::")[0] in self.differential_files or bool(
+            info.ids & self.differential_ids
+        )
+
+    def split(self, pool: list[str], tests: dict[str, TestInfo]) -> dict[str, list[str]]:
+        diff = [t for t in pool if self.differential(t, tests[t])]
+        return {"reference": [t for t in pool if t not in diff], "differential": diff}
+
+
+def combine_suites(suites: dict[str, str]) -> str:
+    """The overall verdict of a reference mutant from its per-suite verdicts: killed when a
+    suite killed it, unjudged (error) when a suite could not run, else survived."""
+    vals = set(suites.values())
+    if "killed" in vals:
+        return "killed"
+    if "timeout" in vals:
+        return "timeout"
+    if "error" in vals:
+        return "error"
+    return "survived"
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -522,11 +684,22 @@ class Record:
     killed_by_ids: list[str] = field(default_factory=list)
     seconds: float = 0.0
     note: str = ""
+    suites: dict[str, str] = field(default_factory=dict)  # reference mutants: verdict per suite
 
 
 def load_config() -> tuple[dict[str, list[str]], list[str]]:
     cfg = tomllib.loads(CONFIG.read_text(encoding="utf-8"))
     return dict(cfg["modules"]), list(cfg["tests"]["exclude_markers"])
+
+
+def load_suites() -> Suites:
+    ref = tomllib.loads(CONFIG.read_text(encoding="utf-8")).get("reference", {})
+    return Suites(
+        str(ref.get("prefix", "")),
+        tuple(ref.get("run_files", ())),
+        tuple(ref.get("differential_files", ())),
+        frozenset(ref.get("differential_ids", ())),
+    )
 
 
 def load_equivalent() -> dict[str, str]:
@@ -563,6 +736,7 @@ def main() -> int:
     if only:
         modules = {k: v for k, v in modules.items() if any(s in k for s in only)}
     equivalent = load_equivalent()
+    suites = load_suites()
 
     population: list[Mutant] = []
     mod_ids: dict[str, set[str]] = {}
@@ -577,7 +751,15 @@ def main() -> int:
     rerun = os.environ.get("MUTATION_RERUN")
     if rerun:
         old = json.loads(Path(rerun).read_text(encoding="utf-8"))
-        again = {r["id"] for r in old["mutants"] if r["status"] == "survived"}
+        again = {
+            r["id"]
+            for r in old["mutants"]
+            if r["status"] == "survived"
+            or (
+                os.environ.get("MUTATION_RERUN_SUITES") == "1"
+                and any(v in ("survived", "no test") for v in r.get("suites", {}).values())
+            )
+        }
         chosen = [m for m in population if m.id in again]
     print(
         f"mutation: {len(population)} mutants in {len(modules)} modules; running {len(chosen)} (seed {seed})"
@@ -585,7 +767,11 @@ def main() -> int:
 
     tests = collect_tests(exclude)
     selected = {
-        rel: sorted(t for t, info in tests.items() if info.ids & ids)
+        rel: sorted(
+            t
+            for t, info in tests.items()
+            if info.ids & ids or (suites.covers(rel) and suites.member(t, info))
+        )
         for rel, ids in mod_ids.items()
     }
     union = sorted({t for ts in selected.values() for t in ts})
@@ -612,9 +798,21 @@ def main() -> int:
     durations: dict[str, float] = base["durations"]
     hits: dict[str, dict[str, list[str]]] = base["hits"]
 
+    resumed: dict[str, dict[str, Any]] = {}
+    if os.environ.get("MUTATION_RESUME"):
+        prev = json.loads(Path(os.environ["MUTATION_RESUME"]).read_text(encoding="utf-8"))
+        resumed = {
+            r["id"]: r
+            for r in prev["mutants"]
+            if r["status"]
+            and r["status"] != "equivalent"
+            and (not suites.covers(r["file"]) or len(r.get("suites", {})) == 2)
+        }
+        print(f"mutation: {len(resumed)} judged mutants kept from {os.environ['MUTATION_RESUME']}")
     records: list[Record] = []
     job_list: list[tuple[Any, float]] = []
-    job_records: list[Record] = []
+    job_records: list[tuple[Record, Mutant, str]] = []  # (record, mutant, suite or "")
+    killers = Killers()
     for m in chosen:
         src, tree = sources[m.file], trees[m.file]
         ids = scope_ids(src, tree, m.scope, mod_ids[m.file], known)
@@ -632,36 +830,87 @@ def main() -> int:
         if m.id in equivalent:
             rec.status, rec.note = "equivalent", equivalent[m.id]
             continue
+        if m.id in resumed:
+            records[-1] = Record(**resumed[m.id])
+            continue
         if not pool:
             rec.status, rec.note = "survived", "no test citing the module's IDs runs this line"
             continue
-        limit = 20.0 + 3.0 * sum(durations.get(t, 1.0) for t in pool)
-        job_list.append((mutant_job(m, pool), limit))
-        job_records.append(rec)
+        parts = suites.split(pool, tests) if suites.covers(m.file) else {"": pool}
+        for suite, part in parts.items():
+            if not part:
+                rec.suites[suite] = "no test"
+                continue
+            limit = 20.0 + 3.0 * sum(durations.get(t, 1.0) for t in part)
+            order = functools.partial(killers.order, m, ids=ids, tests=tests)
+            job_list.append((mutant_job(m, part, order), limit))
+            job_records.append((rec, m, suite))
 
     done = [0]
 
-    def keep(i: int, res: dict[str, Any]) -> None:
-        rec = job_records[i]
-        rec.status = res.get("status", "error")
-        rec.seconds = float(res.get("seconds", 0.0))
-        rec.killed_by = res.get("killed_by", "")
-        rec.note = res.get("error", "") or (
-            "ran past its time limit" if rec.status == "timeout" else ""
+    def partial(note: str) -> None:
+        write_reports(
+            [r for r in records if r.status],
+            report_path,
+            sample,
+            seed,
+            len(population),
+            time.monotonic() - t_start,
+            sorted(failing),
+            commit=commit_at_start,
+            note=note,
         )
+
+    def keep(i: int, res: dict[str, Any]) -> None:
+        rec, m, suite = job_records[i]
+        status = res.get("status", "error")
+        killed_by = res.get("killed_by", "")
+        if killed_by in tests:
+            killers.record(m, killed_by)
+        rec.seconds = round(rec.seconds + float(res.get("seconds", 0.0)), 2)
+        note = res.get("error", "") or ("ran past its time limit" if status == "timeout" else "")
+        if suite:
+            rec.suites[suite] = status
+            status = combine_suites(rec.suites)
+            if note:
+                note = f"{suite}: {note}"
+        if killed_by and not rec.killed_by:
+            rec.killed_by = killed_by
+        if note:
+            rec.note = f"{rec.note}; {note}" if rec.note else note
+        rec.status = status
         if rec.killed_by:
             rec.killed_by_ids = sorted(tests[rec.killed_by].ids) if rec.killed_by in tests else []
         done[0] += 1
+        if done[0] % 25 == 0 and not rerun:
+            partial(f"in progress: {done[0]} of {len(job_list)} runs done")
         print(
-            f"  [{done[0]}/{len(job_list)}] {rec.status:<9} {rec.seconds:5.1f}s {rec.id} {rec.description}",
+            f"  [{done[0]}/{len(job_list)}] {res.get('status', 'error'):<9} "
+            f"{float(res.get('seconds', 0.0)):5.1f}s {rec.id}{' [' + suite + ']' if suite else ''} "
+            f"{rec.description}",
             flush=True,
         )
 
-    run_jobs(job_list, jobs, keep)
+    # The children's garbage collections then skip every object the parent holds (torch, the
+    # test modules): the same collections, over the objects the tests make (HARN-25).
+    stopped = ""
+    gc.collect()
+    gc.freeze()
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        run_jobs(job_list, jobs, keep)
+    except Stopped as e:
+        stopped = f"stopped by {e} after {done[0]} of {len(job_list)} runs; only the mutants judged are listed"
+        print(f"mutation: {stopped}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        gc.unfreeze()
     elapsed = time.monotonic() - t_start
     if rerun and os.environ.get("MUTATION_MERGE") == "1":
         # re-judge the survivors of a report in place (new tests, same source)
-        new = {r.id: r for r in records}
+        new = {r.id: r for r in records if r.status}
         merged = [new.get(r["id"]) or Record(**r) for r in old["mutants"]]
         meta = dict(old["meta"])
         note = f"survivors re-judged at {commit_at_start} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({elapsed:.0f} s)"
@@ -678,16 +927,7 @@ def main() -> int:
             note=note,
         )
     else:
-        write_reports(
-            records,
-            report_path,
-            sample,
-            seed,
-            len(population),
-            elapsed,
-            sorted(failing),
-            commit=commit_at_start,
-        )
+        partial(stopped)
     print(
         f"mutation: report in {report_path} and {report_path.with_suffix('.md')} ({elapsed:.0f} s)"
     )
@@ -707,6 +947,21 @@ def scores(records: list[Record]) -> dict[str, dict[str, int]]:
         key = "killed" if r.status in ("killed", "timeout") else r.status
         s[key if key in s else "error"] += 1
     return out
+
+
+def suite_counts(records: list[Record]) -> dict[str, int]:
+    """Reference mutants (not equivalent, judged): how many each suite killed (HARN-26)."""
+    judged = [r for r in records if r.suites and r.status not in ("equivalent", "error")]
+    kill = ("killed", "timeout")
+    ref = {r.id for r in judged if r.suites.get("reference") in kill}
+    diff = {r.id for r in judged if r.suites.get("differential") in kill}
+    return {
+        "mutants": len(judged),
+        "reference": len(ref),
+        "differential": len(diff),
+        "both": len(ref & diff),
+        "neither": len(judged) - len(ref | diff),
+    }
 
 
 def score_percent(s: dict[str, int]) -> float | None:
@@ -751,11 +1006,12 @@ def write_reports(
         "baseline_failures": failing,
         "note": note,
     }
-    path.write_text(
-        json.dumps({"meta": meta, "scores": sc, "mutants": [asdict(r) for r in records]}, indent=1)
-        + "\n",
-        encoding="utf-8",
-    )
+    suites = suite_counts(records)
+    body: dict[str, Any] = {"meta": meta, "scores": sc}
+    if suites["mutants"]:
+        body["reference_suites"] = suites
+    body["mutants"] = [asdict(r) for r in records]
+    path.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
     lines = [
         "# Mutation run",
         "",
@@ -774,6 +1030,27 @@ def write_reports(
             + ("n/a" if pct is None else f"{pct:.0f} %")
             + " |"
         )
+    if suites["mutants"]:
+        lines += [
+            "",
+            f"Reference mutants, each run against both suites (HARN-26): of {suites['mutants']} judged, "
+            f"the tests that run the reference kill {suites['reference']}, the differential tests "
+            f"kill {suites['differential']}, both {suites['both']}, neither {suites['neither']}.",
+        ]
+        one = [
+            r
+            for r in records
+            if r.suites
+            and r.status in ("killed", "timeout")
+            and any(v not in ("killed", "timeout") for v in r.suites.values())
+        ]
+        if one:
+            lines += ["", "### Reference mutants killed by one suite only", ""]
+            lines += [
+                f"- `{r.file}:{r.line}` ({r.scope}) {r.description}: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(r.suites.items()))
+                for r in one
+            ]
     lines += ["", "## Surviving mutants", ""]
     surv = [r for r in records if r.status == "survived"]
     lines += [
