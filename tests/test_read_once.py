@@ -422,14 +422,18 @@ def _gloo_load(rank: int, world: int, path: str, mode: str) -> Any:
     return reader.bytes_read, exact and sd["step"] == "value of step"
 
 
+def _saved_for_gloo(d: str) -> tuple[str, int]:
+    """The checkpoint the Gloo tests load, and its stored bytes in all."""
+    path = f"{d}/ckpt"
+    _gloo_load(0, 1, path, "save")
+    metadata = refdcp.FileSystemReader(path).read_metadata()
+    return path, sum(i.length for i in metadata.storage_data.values())
+
+
 @pytest.mark.spec("ONCE-7", "ONCE-5", "ONCE-6", "COMM-63")
 def test_gloo_world_2_reads_once_bit_exact_and_every_rank_raises_on_a_bad_reader() -> None:
     with tempfile.TemporaryDirectory() as d:
-        path = f"{d}/ckpt"
-        _gloo_load(0, 1, path, "save")
-        stored = sum(
-            i.length for i in refdcp.FileSystemReader(path).read_metadata().storage_data.values()
-        )
+        path, stored = _saved_for_gloo(d)
         gathered = run_gloo(2, _gloo_load, path, "all_gather", timeout=120)
         want = [((5 << 20) + r, bytearray([r + 1]), bytearray([r + 1])) for r in range(2)]
         assert gathered == [[*want, True]] * 2
@@ -456,11 +460,7 @@ def test_gloo_world_4_reads_each_byte_once_and_every_rank_raises_on_a_bad_reader
     read add up to the checkpoint once; a flipped byte in the one rank 3 reads makes all
     four raise, naming rank 3, the key and the file."""
     with tempfile.TemporaryDirectory() as d:
-        path = f"{d}/ckpt"
-        _gloo_load(0, 1, path, "save")
-        stored = sum(
-            i.length for i in refdcp.FileSystemReader(path).read_metadata().storage_data.values()
-        )
+        path, stored = _saved_for_gloo(d)
         good = run_gloo(4, _gloo_load, path, "load", timeout=180)
         assert sum(b for b, _ in good) == stored and all(ok for _, ok in good)
         assert all(b > 0 for b, _ in good)  # the reads are spread over every rank
