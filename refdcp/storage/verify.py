@@ -21,7 +21,7 @@ from refdcp.storage.errors import (
 )
 from refdcp.storage.format import layout
 from refdcp.storage.format.items import checksum_of
-from refdcp.storage.fs.metadata_file import read_metadata_file_stat
+from refdcp.storage.fs.metadata_file import metadata_identity, read_metadata_file_stat
 from refdcp.storage.fs.paths import open_data_file, pread_exact
 from refdcp.storage.metadata.safe import load_metadata
 from refdcp.storage.metadata.stored_layout import record_problem, storage_records, tiling_problem
@@ -256,12 +256,6 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     )
 
 
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    """What tells one committed ``.metadata`` from the next: a commit renames a new file
-    over the old one (a new inode and change time)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
 def _read_committed(meta_path: Path) -> tuple[bytes | None, tuple[int, ...] | None]:
     """The committed ``.metadata``'s bytes and identity; (None, None) when there is none."""
     try:
@@ -274,11 +268,11 @@ def _read_committed(meta_path: Path) -> tuple[bytes | None, tuple[int, ...] | No
         raise MetadataUnreadableError(
             f"{meta_path}: cannot be read: {exc.strerror or exc}"
         ) from exc
-    return data, _identity(st)
+    return data, metadata_identity(st)
 
 
 def _identity_now(meta_path: Path) -> tuple[int, ...] | None:
     try:
-        return _identity(os.stat(meta_path, follow_symlinks=False))
+        return metadata_identity(os.stat(meta_path, follow_symlinks=False))
     except FileNotFoundError:
         return None

@@ -76,7 +76,7 @@ from refdcp.storage.fs.cleanup import (
 from refdcp.storage.fs.commit_mark import mark as mark_commit
 from refdcp.storage.fs.inplace import FileSlice, locate_tensor_data, verify_streaming
 from refdcp.storage.fs.lock import SaveLock, acquire_save_lock
-from refdcp.storage.fs.metadata_file import read_metadata_file_stat
+from refdcp.storage.fs.metadata_file import metadata_identity, read_metadata_file_stat
 from refdcp.storage.fs.paths import (
     at,
     check_data_name,
@@ -751,7 +751,7 @@ class FileSystemReader(_AtPath, StorageReader):
         name = layout.rank_metadata_name(kwargs.get("rank"))
         # bounded, regular file only (FMT-10)
         data, st = read_metadata_file_stat(self.path / name)
-        self._metadata_name, self._metadata_ident = name, _identity(st)
+        self._metadata_name, self._metadata_ident = name, metadata_identity(st)
         self._metadata_stamp = _stamp(data)
         metadata = load_metadata(data, file=str(self.path / name))
         if getattr(metadata, "storage_meta", None) is None:
@@ -845,7 +845,9 @@ class FileSystemReader(_AtPath, StorageReader):
         except FileNotFoundError:
             pass
         try:
-            now: tuple[int, ...] | None = _identity(os.stat(self.path / self._metadata_name))
+            now: tuple[int, ...] | None = metadata_identity(
+                os.stat(self.path / self._metadata_name)
+            )
         except OSError:
             now = None
         if self._metadata_ident is not None and now != self._metadata_ident:
@@ -1087,12 +1089,6 @@ def _stamp(data: bytes) -> layout.MetadataStamp:
     if has_checksum_trailer(data):
         return layout.MetadataStamp(len(data), int(data[-9:-1], 16))
     return layout.MetadataStamp(len(data), crc32c(data))
-
-
-def _identity(st: os.stat_result) -> tuple[int, ...]:
-    """What tells one committed ``.metadata`` from the next: a commit renames a new file
-    (new inode, new change time) over the old one (LOAD-22)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _exists(name: str | Path, dir_fd: int | None) -> bool:

@@ -9,7 +9,7 @@ from refdcp.storage.errors import UnsafeMetadataError
 from refdcp.storage.fs.paths import open_regular
 from refdcp.storage.metadata.limits import MetadataLimits, get_metadata_limits
 
-__all__ = ["read_metadata_file", "read_metadata_file_stat"]
+__all__ = ["metadata_identity", "read_metadata_file", "read_metadata_file_stat"]
 
 
 def read_metadata_file(
@@ -61,3 +61,10 @@ def read_metadata_file_stat(
         return b"".join(chunks), st
     finally:
         os.close(fd)
+
+
+def metadata_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one committed ``.metadata`` from the next: a commit renames a new file
+    over the old one (a new inode and change time); load and verify compare it (LOAD-22,
+    INTEG-14)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
