@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
@@ -204,7 +204,7 @@ def load(
     fault: FaultHook | None = None,
     observer: Observer | None = None,
     atomic: bool = False,
-    read_once: bool | None = None,
+    read_once: bool | Literal["auto"] | None = None,
 ) -> None:
     """Load into ``state_dict`` in place, resharding as needed (API-1).
 
@@ -219,7 +219,8 @@ def load(
     destination and ``Stateful`` as it was, at the cost of a host copy of the
     state dict's tensors during the load (LOAD-21). ``read_once=True`` has
     each stored item several ranks read read by one of them and sent to the
-    others (ONCE-6); ``None`` keeps the planner's setting.
+    others (ONCE-6); ``"auto"`` does so where the storage is shared (ONCE-9);
+    ``None`` keeps the planner's setting (``"auto"`` for the default planner).
     """
     _require_id(storage_reader, checkpoint_id, "storage_reader")
     c = resolve_comm(comm, process_group, no_dist)
@@ -234,6 +235,7 @@ def load(
         checkpoint_id=checkpoint_id,
         verify=verify,
         atomic=atomic,
+        exchange_on_device=getattr(getattr(c, "device", None), "type", "cpu") != "cpu",
     )
     with gc_paused():
         try:
@@ -248,7 +250,9 @@ def load(
 
 
 def _load_planner(
-    planner: LoadPlanner | None, safe_globals: Sequence[Any], read_once: bool | None = None
+    planner: LoadPlanner | None,
+    safe_globals: Sequence[Any],
+    read_once: bool | Literal["auto"] | None = None,
 ) -> LoadPlanner:
     """The planner a load uses; ``safe_globals`` (LOAD-8) and ``read_once`` (ONCE-6) go to
     refdcp's DefaultLoadPlanner."""
@@ -256,6 +260,8 @@ def _load_planner(
 
     p = planner or _default_load_planner()
     if read_once is not None:
+        if read_once not in (True, False, "auto"):
+            raise ValueError(f"read_once must be True, False, 'auto' or None, not {read_once!r}")
         if not isinstance(p, DefaultLoadPlanner):
             raise ValueError(
                 f"read_once= applies to refdcp's DefaultLoadPlanner, not {type(p).__name__}"

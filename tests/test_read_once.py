@@ -357,13 +357,18 @@ def test_boxes_checked_under_another_verify_mode_are_refused(tmp_path: Path) -> 
 
 
 @pytest.mark.spec("ONCE-6")
-def test_read_once_is_off_by_default_and_planners_keep_torchs_abc(tmp_path: Path) -> None:
-    assert DefaultLoadPlanner().read_once is False
+def test_read_once_is_auto_by_default_and_planners_keep_torchs_abc(tmp_path: Path) -> None:
+    assert DefaultLoadPlanner().read_once == "auto"
+    for bad in ("yes", None, 2):
+        with pytest.raises(ValueError, match="read_once must be"):
+            DefaultLoadPlanner(read_once=bad)  # type: ignore[arg-type]
     assert isinstance(DefaultLoadPlanner(read_once=True), LoadPlanner)
     layout = [("w", "replicated", (8, 8), torch.float32)]
     refdcp.save(_state(layout, 1, 0, True), checkpoint_id=tmp_path, no_dist=True)
     got = _load_all(tmp_path, layout, 2, False)
     assert [b for _, b in got] == [got[0][1]] * 2  # off: every rank reads it
+    with pytest.raises(ValueError, match="read_once must be"):
+        refdcp.load({"w": torch.zeros(8, 8)}, checkpoint_id=tmp_path, no_dist=True, read_once="on")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="read_once= applies to refdcp's DefaultLoadPlanner"):
         refdcp.load(
             {"w": torch.zeros(8, 8)},

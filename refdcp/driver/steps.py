@@ -29,6 +29,7 @@ from refdcp.driver.rollback import Snapshot
 from refdcp.errors import ProtocolError
 from refdcp.planning import LoadPolicyError
 from refdcp.protocol.names import Slot, Step
+from refdcp.storage.shared import shared_storage
 
 __all__ = [
     "LoadContext",
@@ -252,6 +253,8 @@ class LoadContext(_Base):
     verify: bool | None = None
     #: all-or-nothing (LOAD-21): what the load may change, copied before anything is read
     atomic: bool = False
+    #: the communicator moves bytes through a device (NCCL): ``read_once="auto"`` stays off
+    exchange_on_device: bool = False
     snapshot: Snapshot | None = None
     #: top-level keys whose ``Stateful.load_state_dict`` has run (LOAD-21 calls them again)
     applied: list[Any] = field(default_factory=list)
@@ -281,6 +284,10 @@ class LoadContext(_Base):
         if hasattr(self.planner, "read_once_outgoing"):
             exchanging: Any = self.planner
             exchanging.exchange_read_once = True  # pieces ride in the read outcomes (ONCE-3)
+            if getattr(exchanging, "read_once", None) == "auto":  # ONCE-9
+                exchanging.shared_storage = (
+                    None if self.exchange_on_device else shared_storage(self.reader)
+                )
         metadata = self.reader.read_metadata()
         self.slots[Slot.METADATA] = metadata
         self.planner.set_up_planner(sd, metadata, self.coordinator)

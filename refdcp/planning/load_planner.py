@@ -6,7 +6,7 @@ import io
 import math
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
@@ -83,9 +83,10 @@ class DefaultLoadPlanner(LoadPlanner):
     checkpoint keys the state dict lacks; ``allow_cast`` permits dtype
     conversion; ``safe_globals`` extends the allow-list of globals non-tensor
     values may reference (LOAD-8); ``allow_pickle`` loads non-tensor objects
-    with ``weights_only=False``; ``read_once`` (default False) has each stored item
-    that several ranks read read by one of them and sent to the others, when
-    refdcp's ``load`` drives the planner (ONCE-1..7).
+    with ``weights_only=False``; ``read_once`` has each stored item that several
+    ranks read read by one of them and sent to the others, when refdcp's
+    ``load`` drives the planner (ONCE-1..7): ``True``, ``False``, or ``"auto"``
+    (default), which offers it where the load's storage is shared (ONCE-9).
     """
 
     def __init__(
@@ -99,8 +100,10 @@ class DefaultLoadPlanner(LoadPlanner):
         allow_cast: bool = False,
         allow_pickle: bool = False,
         safe_globals: Sequence[Any] = (),
-        read_once: bool = False,
+        read_once: bool | Literal["auto"] = "auto",
     ) -> None:
+        if read_once not in (True, False, "auto"):
+            raise ValueError(f"read_once must be True, False or 'auto', not {read_once!r}")
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultLoadPlanner always flattens (FLAT-1)")
         self.flatten_sharded_tensors = flatten_sharded_tensors
@@ -123,6 +126,9 @@ class DefaultLoadPlanner(LoadPlanner):
         #: set by refdcp's load driver, which carries the pieces in its read outcomes and
         #: calls read_once_outgoing / read_once_receive (ONCE-6); torch's dcp.load does not
         self.exchange_read_once = False
+        #: set by refdcp's load driver for ``read_once="auto"``: what makes this load's storage
+        #: shared (a URL scheme, a protocol, a file-system type), None where it is not (ONCE-9)
+        self.shared_storage: str | None = None
         self._once: ReadOnceState | None = None
 
     def set_up_planner(
@@ -177,8 +183,15 @@ class DefaultLoadPlanner(LoadPlanner):
                 )
         if problems:
             raise LoadPolicyError(problems)
-        offer = ReadOnceOffer() if self.read_once and self.exchange_read_once else None
-        return LoadPlan(items, planner_data=offer)
+        return LoadPlan(items, planner_data=ReadOnceOffer() if self.offers_read_once() else None)
+
+    def offers_read_once(self) -> bool:
+        """Whether this rank's local plan offers a read-once load (ONCE-6, ONCE-9)."""
+        if not self.exchange_read_once:
+            return False
+        if self.read_once == "auto":
+            return self.shared_storage is not None
+        return bool(self.read_once)
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """With ``read_once`` offered by every rank: one reader per stored item several
