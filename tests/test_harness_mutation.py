@@ -256,6 +256,39 @@ def test_a_child_past_its_limit_is_killed_and_counted_as_killed() -> None:
     assert run.scores([_rec("timeout")])["planning"]["killed"] == 1
 
 
+@pytest.mark.spec("HARN-27", "HARN-7")
+def test_a_timeout_counts_only_when_a_run_with_four_times_the_limit_times_out_too() -> None:
+    order: list[str] = []
+    results: dict[int, dict[str, Any]] = {}
+
+    def slowish() -> dict[str, Any]:  # past 0.3 s, well within 4 x 0.3 s
+        time.sleep(0.6)
+        return {"status": "survived"}
+
+    def failing_slowly() -> dict[str, Any]:
+        time.sleep(0.6)
+        return {"status": "killed", "killed_by": "t"}
+
+    def hang() -> dict[str, Any]:
+        time.sleep(60)
+        return {"status": "survived"}
+
+    def quick() -> dict[str, Any]:
+        return {"status": "survived"}
+
+    def done(i: int, r: dict[str, Any]) -> None:
+        order.append(["slowish", "failing", "hang", "quick"][i])
+        results[i] = r
+
+    t0 = time.monotonic()
+    jobs = [(slowish, 0.3), (failing_slowly, 0.3), (hang, 0.3), (quick, 30.0)]
+    run.run_jobs(jobs, 1, done)
+    assert time.monotonic() - t0 < 20
+    assert [results[i]["status"] for i in range(4)] == ["survived", "killed", "timeout", "survived"]
+    assert order[0] == "quick"  # the confirming runs come after every other job
+    assert results[0]["seconds"] >= 0.9 and results[2]["seconds"] >= 1.5  # both runs counted
+
+
 @pytest.mark.spec("HARN-8", "HARN-9")
 def test_committed_report_and_its_document_agree() -> None:
     """The scores tests/MUTATION.md states are those of the committed report, targets met or not."""
