@@ -14,7 +14,8 @@ Environment (all optional):
   MUTATION_SEED     seed of the sample (default 1)
   MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
-  MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests);
+  MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests),
+                    and its timeouts that no second, longer run confirmed (HARN-27);
                     with MUTATION_MERGE=1 their new verdicts replace the old ones in that report;
                     with MUTATION_RERUN_SUITES=1 also the reference mutants one suite left alive
   MUTATION_RESUME   a JSON report of an earlier, stopped run of the same source: its judged
@@ -766,6 +767,7 @@ def main() -> int:
             r["id"]
             for r in old["mutants"]
             if r["status"] == "survived"
+            or (r["status"] == "timeout" and "then past" not in r.get("note", ""))  # HARN-27
             or (
                 os.environ.get("MUTATION_RERUN_SUITES") == "1"
                 and any(v in ("survived", "no test") for v in r.get("suites", {}).values())
