@@ -724,6 +724,19 @@ def load_equivalent() -> dict[str, str]:
 TARGETS: list[str] = []
 
 
+def rerun_ids(report: dict[str, Any], suites_too: bool = False) -> set[str]:
+    """The mutants ``MUTATION_RERUN`` runs again from ``report``: its survivors, its timeouts
+    that no second, longer run confirmed (HARN-27) and, with ``suites_too``, the reference
+    mutants one suite left alive (HARN-26)."""
+    return {
+        r["id"]
+        for r in report["mutants"]
+        if r["status"] == "survived"
+        or (r["status"] == "timeout" and "then past" not in r.get("note", ""))
+        or (suites_too and any(v in ("survived", "no test") for v in r.get("suites", {}).values()))
+    }
+
+
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     os.chdir(ROOT)
@@ -763,16 +776,7 @@ def main() -> int:
     rerun = os.environ.get("MUTATION_RERUN")
     if rerun:
         old = json.loads(Path(rerun).read_text(encoding="utf-8"))
-        again = {
-            r["id"]
-            for r in old["mutants"]
-            if r["status"] == "survived"
-            or (r["status"] == "timeout" and "then past" not in r.get("note", ""))  # HARN-27
-            or (
-                os.environ.get("MUTATION_RERUN_SUITES") == "1"
-                and any(v in ("survived", "no test") for v in r.get("suites", {}).values())
-            )
-        }
+        again = rerun_ids(old, os.environ.get("MUTATION_RERUN_SUITES") == "1")
         chosen = [m for m in population if m.id in again]
     print(
         f"mutation: {len(population)} mutants in {len(modules)} modules; running {len(chosen)} (seed {seed})"

@@ -330,3 +330,20 @@ def test_a_mutant_that_breaks_import_counts_as_killed(tmp_path: Path) -> None:
         sys.path.remove(str(tmp_path))
         for name in [n for n in sys.modules if n.startswith("mutpkg_imp")]:
             del sys.modules[name]
+
+
+@pytest.mark.spec("HARN-27", "HARN-26")
+def test_a_rerun_takes_survivors_and_unconfirmed_timeouts() -> None:
+    confirmed = "ran past its time limit, then past 4 times it"
+    report = {
+        "mutants": [
+            {"id": "s", "status": "survived"},
+            {"id": "k", "status": "killed"},
+            {"id": "e", "status": "equivalent"},
+            {"id": "t-old", "status": "timeout", "note": "ran past its time limit"},
+            {"id": "t-new", "status": "timeout", "note": confirmed},
+            {"id": "r", "status": "killed", "suites": {"run": "killed", "diff": "survived"}},
+        ]
+    }
+    assert run.rerun_ids(report) == {"s", "t-old"}
+    assert run.rerun_ids(report, suites_too=True) == {"s", "t-old", "r"}
