@@ -15,7 +15,8 @@ Environment (all optional):
   MUTATION_MODULES  comma-separated substrings: only modules whose path contains one
   MUTATION_JOBS     children run at once (default 1: the machine has 2 shared cores)
   MUTATION_RERUN    a JSON report: run only the mutants that survived in it (after new tests),
-                    and its timeouts that no second, longer run confirmed (HARN-27);
+                    and its timeouts that no second, longer run confirmed (HARN-27; not with
+                    MUTATION_RERUN_TIMEOUTS=0);
                     with MUTATION_MERGE=1 their new verdicts replace the old ones in that report;
                     with MUTATION_RERUN_SUITES=1 also the reference mutants one suite left alive
   MUTATION_RESUME   a JSON report of an earlier, stopped run of the same source: its judged
@@ -724,15 +725,15 @@ def load_equivalent() -> dict[str, str]:
 TARGETS: list[str] = []
 
 
-def rerun_ids(report: dict[str, Any], suites_too: bool = False) -> set[str]:
-    """The mutants ``MUTATION_RERUN`` runs again from ``report``: its survivors, its timeouts
-    that no second, longer run confirmed (HARN-27) and, with ``suites_too``, the reference
-    mutants one suite left alive (HARN-26)."""
+def rerun_ids(report: dict[str, Any], suites_too: bool = False, timeouts: bool = True) -> set[str]:
+    """The mutants ``MUTATION_RERUN`` runs again from ``report``: its survivors, with
+    ``timeouts`` its timeouts that no second, longer run confirmed (HARN-27) and, with
+    ``suites_too``, the reference mutants one suite left alive (HARN-26)."""
     return {
         r["id"]
         for r in report["mutants"]
         if r["status"] == "survived"
-        or (r["status"] == "timeout" and "then past" not in r.get("note", ""))
+        or (timeouts and r["status"] == "timeout" and "then past" not in r.get("note", ""))
         or (suites_too and any(v in ("survived", "no test") for v in r.get("suites", {}).values()))
     }
 
@@ -776,7 +777,11 @@ def main() -> int:
     rerun = os.environ.get("MUTATION_RERUN")
     if rerun:
         old = json.loads(Path(rerun).read_text(encoding="utf-8"))
-        again = rerun_ids(old, os.environ.get("MUTATION_RERUN_SUITES") == "1")
+        again = rerun_ids(
+            old,
+            suites_too=os.environ.get("MUTATION_RERUN_SUITES") == "1",
+            timeouts=os.environ.get("MUTATION_RERUN_TIMEOUTS", "1") != "0",
+        )
         chosen = [m for m in population if m.id in again]
     print(
         f"mutation: {len(population)} mutants in {len(modules)} modules; running {len(chosen)} (seed {seed})"
@@ -1051,6 +1056,14 @@ def write_reports(
             + ("n/a" if pct is None else f"{pct:.0f} %")
             + " |"
         )
+    timeouts = [r for r in records if r.status == "timeout"]
+    if timeouts:
+        unconfirmed = sum("then past" not in r.note for r in timeouts)
+        lines += [
+            "",
+            f"Timeouts, counted as killed: {len(timeouts)}; {unconfirmed} of them unconfirmed "
+            "(one run past its limit, with no second, longer run: HARN-27).",
+        ]
     if suites["mutants"]:
         lines += [
             "",

@@ -347,3 +347,15 @@ def test_a_rerun_takes_survivors_and_unconfirmed_timeouts() -> None:
     }
     assert run.rerun_ids(report) == {"s", "t-old"}
     assert run.rerun_ids(report, suites_too=True) == {"s", "t-old", "r"}
+    assert run.rerun_ids(report, timeouts=False) == {"s"}
+
+
+@pytest.mark.spec("HARN-27")
+def test_a_report_states_its_unconfirmed_timeouts(tmp_path: Path) -> None:
+    recs = [_rec("timeout"), _rec("timeout"), _rec("killed")]
+    recs[0].note = "ran past its time limit, then past 4 times it"
+    recs[1].note = "ran past its time limit"
+    out = tmp_path / "r.json"
+    run.write_reports(recs, out, 0, 1, 3, 1.0, [], commit="abc")
+    md = out.with_suffix(".md").read_text(encoding="utf-8")
+    assert "Timeouts, counted as killed: 2; 1 of them unconfirmed" in md
