@@ -196,11 +196,11 @@ def test_a_destination_of_another_size_is_refused_even_where_torch_would_broadca
     dest_shape: tuple[int, ...], source_shape: tuple[int, ...]
 ) -> None:
     dest = torch.full(dest_shape, -1.0)
-    planner = _Planner(dest)
+    planner: Any = _Planner(dest)
     source = torch.ones(source_shape)
     req = _read_item([0] * len(source_shape), list(source_shape))
     with pytest.raises(RefdcpError, match="destination size") as err:
-        copy_into_destination(planner, req, source)  # type: ignore[arg-type]
+        copy_into_destination(planner, req, source)
     assert str(tuple(dest_shape)) in str(err.value) and str(tuple(source_shape)) in str(err.value)
     assert planner.committed == [] and bool((dest == -1).all())  # untouched, never committed
 
@@ -219,8 +219,10 @@ def test_a_blob_delivers_its_box_with_or_without_the_chunks_metadata(
     info = make_storage_info("f.distcp", 0, enc)
     chunk = (dtype, (3, 4)) if with_chunk else None
     want = t[offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]]
-    planner = _Planner(torch.zeros(lengths, dtype=dtype))
-    load_tensor_from_blob(memoryview(_blob(enc)), info, chunk, _read_item(offsets, lengths), planner)  # type: ignore[arg-type]
+    planner: Any = _Planner(torch.zeros(lengths, dtype=dtype))
+    load_tensor_from_blob(
+        memoryview(_blob(enc)), info, chunk, _read_item(offsets, lengths), planner
+    )
     assert len(planner.committed) == 1
     assert planner.committed[0].data_ptr() == planner.dest.data_ptr()  # the destination itself
     assert torch.equal(planner.dest, want)
@@ -247,8 +249,10 @@ def test_a_pickled_item_is_read_with_the_weights_only_unpickler() -> None:
     torch.save(_Hostile(), buf)
     blob = buf.getvalue()
     info = _StorageInfo("f.distcp", 0, len(blob))  # no data offset: torch's pickling
-    planner = _Planner(torch.ones(2))
+    planner: Any = _Planner(torch.ones(2))
     _CALLS.clear()
     with pytest.raises(pickle.UnpicklingError):
-        load_tensor_from_blob(memoryview(blob), info, (torch.float32, (2,)), _read_item([0], [2]), planner)  # type: ignore[arg-type]
+        load_tensor_from_blob(
+            memoryview(blob), info, (torch.float32, (2,)), _read_item([0], [2]), planner
+        )
     assert _CALLS == [] and planner.committed == [] and bool((planner.dest == 1).all())
