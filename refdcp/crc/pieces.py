@@ -84,7 +84,7 @@ def _power(j: int) -> tuple[int, ...]:
 
 
 def _operator(nbytes: int) -> tuple[int, ...]:
-    """The register's map over ``nbytes`` zero bytes (cached: the piece size repeats)."""
+    """The register's map over ``nbytes`` zero bytes (cached, 65 lengths at most: the piece size repeats)."""
     op = _BY_LENGTH.get(nbytes)
     if op is None:
         op = tuple(1 << n for n in range(32))
@@ -117,7 +117,7 @@ _TABLES: dict[int, tuple[list[int], ...]] = {}
 
 
 def _shift_by_tables(crc: int, nbytes: int) -> int:
-    """``crc32c_shift`` for a length that repeats (the piece size): table look-ups, cached."""
+    """``crc32c_shift`` for a length that repeats (the piece size): table look-ups, cached (9 lengths at most)."""
     tables = _TABLES.get(nbytes)
     if tables is None:
         if len(_TABLES) > 8:
