@@ -9,6 +9,7 @@ write), and checks the files, locks, descriptors and commit status left behind.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import os
@@ -23,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 import refdcp
@@ -95,6 +96,20 @@ def _writeback_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int,
     return calls
 
 
+class _RawBytes(DefaultSavePlanner):
+    """Hands the writer each BYTE_IO value's own bytes (not torch.save of the object), so
+    an item's stored length is exactly the length chosen."""
+
+    def __init__(self, sd: dict[str, Any]) -> None:
+        super().__init__()
+        self._raw = sd
+
+    def resolve_data(self, write_item: Any) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return self._raw[write_item.index.fqn]
+        return super().resolve_data(write_item)
+
+
 @pytest.mark.spec("STORE-60")
 @pytest.mark.parametrize("kind", ["tensors", "bytes"])
 @pytest.mark.parametrize("item_bytes", [1 << 18, 1 << 17, 300_001, 100_003])
@@ -107,11 +122,15 @@ def test_writeback_starts_after_each_4_mib_batch_and_only_on_written_bytes(
     left unhanded at the end. Item sizes that divide 4 MiB put a batch exactly at 4 MiB."""
     calls = _writeback_log(monkeypatch)
     n = 9 * MIB // item_bytes + 1
+    planner = DefaultSavePlanner()
     if kind == "tensors":
-        sd: dict[str, Any] = {f"t{i}": torch.full((item_bytes,), i % 251, dtype=torch.uint8) for i in range(n)}
+        sd: dict[str, Any] = {
+            f"t{i}": torch.full((item_bytes,), i % 251, dtype=torch.uint8) for i in range(n)
+        }
     else:
         sd = {f"b{i}": io.BytesIO(bytes([i % 251]) * item_bytes) for i in range(n)}
-    refdcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+        planner = _RawBytes(sd)
+    refdcp.save(sd, storage_writer=FileSystemWriter(tmp_path), planner=planner, no_dist=True)
     (name,) = _data_files(tmp_path)
     size = (tmp_path / name).stat().st_size
     info = load_metadata((tmp_path / ".metadata").read_bytes()).storage_data
@@ -213,10 +232,8 @@ def _descriptors_of(path: Path) -> int:
     real = os.path.realpath(path)
     n = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # a descriptor closed while listing
             n += os.readlink(f"/proc/self/fd/{fd}") == real
-        except OSError:
-            pass
     return n
 
 
@@ -298,7 +315,9 @@ def test_a_non_coordinator_abort_removes_its_own_files_only(
         refdcp.save({"k": torch.arange(4.0)}, checkpoint_id=tmp_path, no_dist=True)
     kept = set(os.listdir(tmp_path))
     writer = FileSystemWriter(tmp_path, single_file_per_rank=False)
-    _by_hand(writer, {"p": torch.ones(3), "q": torch.ones(2)}, coordinator=False, finish=False, rank=1)
+    _by_hand(
+        writer, {"p": torch.ones(3), "q": torch.ones(2)}, coordinator=False, finish=False, rank=1
+    )
     assert len(set(os.listdir(tmp_path)) - kept) == 2
     writer.abort_save()
     assert set(os.listdir(tmp_path)) == kept
@@ -430,7 +449,6 @@ def test_a_path_re_pointed_after_prepare_leaves_the_new_target_untouched(tmp_pat
     assert isinstance(failure.exception, CheckpointMovedError)
     assert os.listdir(second) == []
     assert _same(_load(first, sd), sd)
-
 
 
 # -- STORE-32: a rank-local save reclaims its own rank's orphans, and only those ------------
