@@ -79,7 +79,6 @@ from refdcp.storage.fs.lock import SaveLock, acquire_save_lock
 from refdcp.storage.fs.metadata_file import metadata_identity, read_metadata_file_stat
 from refdcp.storage.fs.paths import (
     at,
-    check_data_name,
     host_identity,
     open_data_file,
     open_regular,
@@ -818,7 +817,7 @@ class FileSystemReader(_AtPath, StorageReader):
             self._read_transformed(transformed, planner)
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
-            check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
+            # STORE-26: open_data_file refuses a name that is not a plain file name
             fd = self._open_data(relative_path, reqs[0][1])  # STORE-27: regular files only
             try:
                 size = os.fstat(fd).st_size
@@ -872,7 +871,7 @@ class FileSystemReader(_AtPath, StorageReader):
             self._extension_registry = ExtensionRegistry()
         for relative_path, reqs in per_file.items():
             reqs.sort(key=lambda r: r[0])
-            check_data_name(relative_path, file=str(self.path / layout.METADATA_NAME))
+            # STORE-26: open_data_file refuses a name that is not a plain file name
             fd = self._open_data(relative_path, reqs[0][1])  # STORE-27: regular files only
             try:
                 for _, req, info in reqs:
@@ -999,8 +998,7 @@ class FileSystemReader(_AtPath, StorageReader):
             return
         assert self._chunks is not None
         chunk = self._chunks.lookup(req.storage_index)
-        if chunk is None:
-            raise RefdcpError(f"{fqn}: chunk {req.storage_index.offset} is not in the metadata")
+        assert chunk is not None  # a chunk missing from the metadata was refused above (LOAD-10)
         dtype, sizes = chunk
         if whole_chunk(req, sizes):
             target = planner.resolve_tensor(req).detach()
