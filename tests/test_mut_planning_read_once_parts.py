@@ -220,7 +220,7 @@ def test_a_rank_that_sent_no_pieces_is_named(sent: Any) -> None:
 
 
 @pytest.mark.spec("ONCE-4")
-@pytest.mark.parametrize(("theirs", "ours"), itertools.product([None, False, True], repeat=2))
+@pytest.mark.parametrize(("theirs", "ours"), list(itertools.product([None, False, True], repeat=2)))
 def test_a_rank_that_checked_with_another_verify_mode_is_refused(
     theirs: bool | None, ours: bool | None
 ) -> None:
