@@ -244,10 +244,10 @@ def _vector_screen(
     All with numpy over every chunk at once. A tensor passes when its chunks
     are in bounds, their volumes sum to the tensor's, and, sorted along some
     dimension, each starts at or after the previous one's end (so no two
-    overlap). Everything else gets the exact, slower per-tensor check, which
-    also words the problems. FQNs in ``skip`` (also written as bytes) are not
-    screened. The lists are ordered by the FQN's dimension count (in order of
-    first appearance), then by FQN.
+    overlap; slabs and grids pass in any plan order, META-9). Anything else
+    gets the exact, slower per-tensor check, which also words the problems.
+    FQNs in ``skip`` (also written as bytes) are not screened. The lists are
+    ordered by the FQN's dimension count (first appearance), then by FQN.
     """
     nf = len(items.fqns)
     table = _Table(items.shapes)
