@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 import refdcp
 import refdcp.reference
-from refdcp.comm import SingleRank
+from refdcp.comm import FakeWorld, SingleRank
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LoadPolicyError
 from refdcp.planning.read_once import assign_readers
 from refdcp.reference import ReferenceReader
@@ -177,3 +177,21 @@ def test_read_once_readers_weigh_objects_and_unlisted_chunks_as_the_planner(
     ref = read_once_readers(plans, md)
     assert ref == assign_readers(plans, md)
     assert ref == {("b", (0,)): 0, ("a", ()): 1}
+
+
+@pytest.mark.spec("REF-4", "REF-3", "PLAN-1", "META-1")
+def test_a_sharded_tensor_no_rank_holds_a_chunk_of_is_recorded_by_both(tmp_path: Path) -> None:
+    def state(rank: int) -> dict[str, Any]:
+        return {"none": refdcp.LocalShards((0, 3), [], dtype=torch.float32), "w": torch.ones(2)}
+
+    mds = {}
+    for impl, api in (("fast", refdcp), ("reference", refdcp.reference)):
+        FakeWorld(2).run(
+            lambda c, api=api, impl=impl: api.save(
+                state(c.rank), checkpoint_id=tmp_path / impl, comm=c
+            )
+        )
+        mds[impl] = refdcp.FileSystemReader(tmp_path / impl).read_metadata().state_dict_metadata
+    assert mds["fast"] == mds["reference"]
+    none = mds["reference"]["none"]
+    assert isinstance(none, TensorStorageMetadata) and tuple(none.size) == (0, 3)

@@ -1,0 +1,196 @@
+"""The reference path's entry points, files and `.metadata` parsing against the default path
+(REF-4, REF-2): the same refusals of a call without a checkpoint, the same Metadata returned,
+nothing left by a failed save, the same file modes, the same checkpoint ids accepted, and the
+same error class for every damaged `.metadata`, symlinked file or damaged data file.
+
+Each case runs once per path, so the differential suite sees a reference mutant that makes the
+two paths part ways; the reference-only checks are in test_mut_reference_{api,format,storage}.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+import refdcp
+import refdcp.reference
+from refdcp.comm import SingleRank
+from refdcp.reference import ReferenceReader, ReferenceWriter
+from refdcp.reference import format as fmt
+from refdcp.storage.metadata.safe import load_metadata as fast_load_metadata
+
+PATHS: dict[str, Any] = {"fast": refdcp, "reference": refdcp.reference}
+READERS: dict[str, Any] = {"fast": refdcp.FileSystemReader, "reference": ReferenceReader}
+WRITERS: dict[str, Any] = {"fast": refdcp.FileSystemWriter, "reference": ReferenceWriter}
+
+
+def _sd() -> dict[str, Any]:
+    return {"a": "xyz", "w": torch.arange(5.0), "v": torch.ones(3, dtype=torch.int16)}
+
+
+@pytest.mark.spec("REF-4", "REF-2", "API-5")
+@pytest.mark.parametrize("impl", sorted(PATHS))
+def test_both_paths_need_a_checkpoint_or_a_storage_object(impl: str, tmp_path: Path) -> None:
+    api = PATHS[impl]
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        api.save(_sd(), comm=SingleRank())
+    with pytest.raises(ValueError, match="checkpoint_id"):
+        api.load(_sd(), comm=SingleRank())
+    md = api.save(_sd(), storage_writer=WRITERS[impl](tmp_path), comm=SingleRank())
+    assert isinstance(md, Metadata) and set(md.state_dict_metadata) == {"a", "w", "v"}
+    out = {"a": "", "w": torch.zeros(5), "v": torch.zeros(3, dtype=torch.int16)}
+    api.load(out, storage_reader=READERS[impl](tmp_path), comm=SingleRank())
+    assert out["a"] == "xyz" and torch.equal(out["w"], torch.arange(5.0))
+
+
+@pytest.mark.spec("REF-4", "REF-2")
+def test_both_paths_return_the_metadata_they_commit(tmp_path: Path) -> None:
+    got = {
+        impl: api.save(_sd(), checkpoint_id=tmp_path / impl, comm=SingleRank())
+        for impl, api in PATHS.items()
+    }
+    assert got["fast"].state_dict_metadata == got["reference"].state_dict_metadata
+    for impl in PATHS:
+        stored = READERS[impl](tmp_path / impl).read_metadata()
+        assert got[impl].state_dict_metadata == stored.state_dict_metadata
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("cannot pickle")
+
+
+@pytest.mark.spec("REF-4", "REF-8", "STORE-31")
+@pytest.mark.parametrize("impl", sorted(PATHS))
+def test_a_failed_save_leaves_nothing_on_either_path(impl: str, tmp_path: Path) -> None:
+    planner = (
+        refdcp.reference.ReferenceSavePlanner(check_replicas=False) if impl == "reference" else None
+    )
+    with pytest.raises(refdcp.CheckpointError) as info:
+        PATHS[impl].save(
+            {"w": torch.ones(2), "x": _Boom()},
+            checkpoint_id=tmp_path,
+            comm=SingleRank(),
+            planner=planner,
+        )
+    assert info.value.committed is False
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.spec("REF-4", "REF-2", "STORE-7")
+def test_both_paths_write_files_with_the_same_modes(tmp_path: Path) -> None:
+    modes = {}
+    for impl, api in PATHS.items():
+        api.save(_sd(), checkpoint_id=tmp_path / impl, comm=SingleRank())
+        modes[impl] = sorted(
+            (p.name == ".metadata", p.stat().st_mode) for p in (tmp_path / impl).iterdir()
+        )
+    assert modes["fast"] == modes["reference"] and len(modes["fast"]) == 2
+
+
+@pytest.mark.spec("REF-4", "API-7")
+@pytest.mark.parametrize("cid", ["a/b", Path("x"), "s3://x", "file://x"])
+def test_both_writers_and_readers_accept_the_same_checkpoint_ids(cid: Any) -> None:
+    assert ReferenceWriter.validate_checkpoint_id(cid) == (
+        refdcp.FileSystemWriter.validate_checkpoint_id(cid)
+    )
+    assert ReferenceReader.validate_checkpoint_id(cid) == (
+        refdcp.FileSystemReader.validate_checkpoint_id(cid)
+    )
+
+
+def _metadata_cases() -> dict[str, bytes]:
+    good = fmt.dump_metadata(Metadata(state_dict_metadata={}))
+    cases = {
+        "good": good,
+        "flipped": good[:5] + bytes([good[5] ^ 1]) + good[6:],
+        "trailer without newline": good[:-1] + b"x",
+        "foreign global": b"cbuiltins\nfloat32\n.",
+        "persistent id": b"P0\n.",
+        "not a Metadata": pickle.dumps([1]),
+        "garbage": b"\x80\x04garbage",
+    }
+    md = Metadata(state_dict_metadata={})
+    md.version = "9.9.9"
+    cases["version"] = fmt.dump_metadata(md)
+    md = Metadata(state_dict_metadata={})
+    md.refdcp_format = 2  # type: ignore[attr-defined]
+    body = pickle.dumps(md)
+    cases["format"] = body + fmt.TRAILER + b"%08x\n" % crc32c.crc32c(body)
+    md = Metadata(state_dict_metadata={})
+    md.refdcp_format = 1  # type: ignore[attr-defined]
+    cases["refdcp without trailer"] = pickle.dumps(md)
+    return cases
+
+
+def _outcome(run: Callable[[], Any]) -> str:
+    """ "ok", or the class of the error (of each rank's error, for a failed collective call)."""
+    try:
+        run()
+    except refdcp.CheckpointError as exc:
+        return ", ".join(type(f.exception).__name__ for f in exc.rank_failures.values())
+    except Exception as exc:  # the class is what is compared
+        return type(exc).__name__
+    return "ok"
+
+
+@pytest.mark.spec("REF-4", "REF-2", "FMT-6", "FMT-7", "INTEG-2")
+@pytest.mark.parametrize("case", sorted(_metadata_cases()))
+def test_both_paths_refuse_a_damaged_metadata_file_alike(case: str) -> None:
+    data = _metadata_cases()[case]
+    ref = _outcome(lambda: fmt.load_metadata(data, "m"))
+    assert ref == _outcome(lambda: fast_load_metadata(data, file="m"))
+    assert (ref == "ok") == (case == "good")
+
+
+def _load(api: Any, where: Path) -> None:
+    api.load({"w": torch.zeros(64)}, checkpoint_id=where, comm=SingleRank())
+
+
+def _damage(path: Path, how: str) -> None:
+    data_file = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    if how == "missing data file":
+        data_file.unlink()
+    elif how == "truncated data file":
+        data_file.write_bytes(data_file.read_bytes()[:-200])
+    elif how == "flipped data byte":
+        raw = bytearray(data_file.read_bytes())
+        raw[-100] ^= 1
+        data_file.write_bytes(bytes(raw))
+    elif how == "symlinked data file":
+        moved = path / "elsewhere"
+        data_file.rename(moved)
+        data_file.symlink_to(moved)
+    else:  # a FIFO where the data file was
+        data_file.unlink()
+        os.mkfifo(data_file)
+
+
+@pytest.mark.spec("REF-4", "REF-2", "STORE-27", "INTEG-3")
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [
+        ("missing data file", "CorruptionError"),
+        ("truncated data file", "CorruptionError"),
+        ("flipped data byte", "CorruptionError"),
+        ("symlinked data file", "UnsafePathError"),
+        ("fifo data file", "UnsafePathError"),
+    ],
+)
+def test_both_paths_refuse_a_damaged_data_file_alike(how: str, error: str, tmp_path: Path) -> None:
+    got = {}
+    for impl, api in PATHS.items():
+        where = tmp_path / impl
+        api.save({"w": torch.arange(64.0)}, checkpoint_id=where, comm=SingleRank())
+        _damage(where, how)
+        got[impl] = _outcome(functools.partial(_load, api, where))
+    assert got == {"fast": error, "reference": error}
