@@ -63,12 +63,14 @@ def dtensor(local: torch.Tensor, shape: tuple[int, ...], mesh: list[int], rank: 
 
 
 def partial_dtensor() -> Any:
+    """Replicated on one dimension of a 2-d mesh, Partial on the other."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Partial
+    from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    dm = DeviceMesh("cpu", [0], _init_backend=False, _rank=0)
-    spec = DTensorSpec(dm, (Partial(),), TensorMeta(torch.Size((2,)), (1,), torch.float32))
+    dm = DeviceMesh("cpu", [[0]], _init_backend=False, _rank=0)
+    meta = TensorMeta(torch.Size((2,)), (1,), torch.float32)
+    spec = DTensorSpec(dm, (Replicate(), Partial()), meta)
     return DTensor(torch.ones(2), spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 

@@ -195,3 +195,28 @@ def test_a_sharded_tensor_no_rank_holds_a_chunk_of_is_recorded_by_both(tmp_path:
     assert mds["fast"] == mds["reference"]
     none = mds["reference"]["none"]
     assert isinstance(none, TensorStorageMetadata) and tuple(none.size) == (0, 3)
+
+
+@pytest.mark.spec("REF-4", "REF-3", "PLAN-1", "PLAN-2")
+def test_both_record_the_same_dtensors_a_rank_holds_no_chunk_of() -> None:
+    """Rank 1 of a 2-rank mesh holds the empty shard of a (0, 4) tensor: recorded, without
+    chunks; a (0, 5) tensor on a mesh without this rank is not recorded."""
+    sd = {
+        "e": dtensor(torch.ones(0, 4), (0, 4), [0, 1], 1),
+        "o": dtensor(torch.ones(0, 5), (0, 5), [1, 2], 0),
+        "w": torch.ones(2),
+    }
+    got = []
+    for planner in (ReferenceSavePlanner(), DefaultSavePlanner()):
+        planner.set_up_planner(sd, None, True)
+        _, md = planner.create_global_plan([planner.create_local_plan()])
+        got.append(md.state_dict_metadata)
+    assert got[0] == got[1] and sorted(got[0]) == ["e", "w"]
+
+
+@pytest.mark.spec("REF-4", "REF-3", "PLAN-1")
+@pytest.mark.usefixtures("one_rank_group")
+def test_both_plan_no_write_for_an_empty_sharded_tensor() -> None:
+    sd = {"z": sharded([(0, 0)], width=1), "w": torch.ones(2)}
+    ref = _writes(ReferenceSavePlanner(), sd)
+    assert ref == _writes(DefaultSavePlanner(), sd) and [w[0] for w in ref] == ["w"]
