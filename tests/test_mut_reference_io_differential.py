@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 import refdcp
 import refdcp.reference
-from refdcp.comm import SingleRank
+from refdcp.comm import FakeWorld, SingleRank
 from refdcp.reference import ReferenceReader, ReferenceWriter
 from refdcp.reference import format as fmt
 from refdcp.storage.metadata.safe import load_metadata as fast_load_metadata
@@ -194,3 +194,89 @@ def test_both_paths_refuse_a_damaged_data_file_alike(how: str, error: str, tmp_p
         _damage(where, how)
         got[impl] = _outcome(functools.partial(_load, api, where))
     assert got == {"fast": error, "reference": error}
+
+
+def _leftovers(path: Path) -> list[str]:
+    """What a save left: the kinds of its files (a data file, the metadata, a temporary)."""
+    if not path.exists():
+        return []
+    return sorted(p.suffix if p.name != ".metadata" else ".metadata" for p in path.iterdir())
+
+
+@pytest.mark.spec("REF-4", "REF-8", "STORE-31", "SAVE-7")
+@pytest.mark.parametrize("step", range(10))
+def test_a_save_failing_at_any_step_leaves_the_same_files_on_both_paths(
+    step: int, tmp_path: Path
+) -> None:
+    def fault(i: int, action: Any) -> None:
+        if i == step:
+            raise RuntimeError("planted")
+
+    got = {}
+    for impl, api in PATHS.items():
+        where = tmp_path / impl
+        try:
+            api.save(_sd(), checkpoint_id=where, comm=SingleRank(), fault=fault)
+            committed: bool | None = True
+        except refdcp.CheckpointError as exc:
+            committed = exc.committed
+        got[impl] = (committed, _leftovers(where))
+    assert got["fast"] == got["reference"]
+    if got["fast"][0] is False:
+        assert got["fast"][1] == []
+
+
+def _seen_save(base: type, seen: dict[int, bool], rank: int) -> Any:
+    class Seen(base):  # type: ignore[misc, valid-type]
+        def set_up_planner(
+            self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+        ) -> None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            seen[rank] = is_coordinator
+
+    return Seen()
+
+
+def _seen_load(base: type, seen: dict[int, bool], rank: int) -> Any:
+    class Seen(base):  # type: ignore[misc, valid-type]
+        def set_up_planner(
+            self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+        ) -> None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            seen[rank] = is_coordinator
+
+    return Seen()
+
+
+@pytest.mark.spec("REF-4", "SAVE-1", "LOAD-1")
+@pytest.mark.parametrize("coordinator", [0, 2])
+def test_both_paths_tell_the_same_rank_it_coordinates(coordinator: int, tmp_path: Path) -> None:
+    bases = {
+        "fast": (refdcp.planning.DefaultSavePlanner, refdcp.planning.DefaultLoadPlanner),
+        "reference": (refdcp.reference.ReferenceSavePlanner, refdcp.reference.ReferenceLoadPlanner),
+    }
+    got = {}
+    for impl, api in PATHS.items():
+        saw: dict[int, bool] = {}
+        loaded: dict[int, bool] = {}
+        where = tmp_path / impl
+        save_base, load_base = bases[impl]
+        FakeWorld(3, coordinator_rank=coordinator).run(
+            lambda c, api=api, where=where, base=save_base, saw=saw: api.save(
+                {"w": torch.ones(4)},
+                checkpoint_id=where,
+                comm=c,
+                planner=_seen_save(base, saw, c.rank),
+            )
+        )
+        FakeWorld(3, coordinator_rank=coordinator).run(
+            lambda c, api=api, where=where, base=load_base, loaded=loaded: api.load(
+                {"w": torch.zeros(4)},
+                checkpoint_id=where,
+                comm=c,
+                planner=_seen_load(base, loaded, c.rank),
+            )
+        )
+        got[impl] = (saw, loaded)
+    want = {r: r == coordinator for r in range(3)}
+    assert got["fast"] == got["reference"] == (want, want)
