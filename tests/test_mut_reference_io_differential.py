@@ -119,6 +119,9 @@ def _metadata_cases() -> dict[str, bytes]:
         "not a Metadata": pickle.dumps([1]),
         "garbage": b"\x80\x04garbage",
     }
+    crc = good[-9:-1]
+    cases["wrong checksum"] = good[:-9] + (b"0" if crc[:1] != b"0" else b"1") + good[-8:]
+    cases.update(_record_cases())
     md = Metadata(state_dict_metadata={})
     md.version = "9.9.9"
     cases["version"] = fmt.dump_metadata(md)
@@ -132,6 +135,74 @@ def _metadata_cases() -> dict[str, bytes]:
     return cases
 
 
+def _record_cases() -> dict[str, bytes]:
+    """Storage records naming no plain file or with bad byte ranges. (A missing record and
+    two records sharing a byte are refused by the reference's reader and by the fast path's
+    load plan, both before any destination is written (FMT-29), so not at the same call.)"""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def md(records: dict[Any, Any], **tensors: Any) -> bytes:
+        sd = {
+            fqn: TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size(size),
+                [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks],
+            )
+            for fqn, (size, chunks) in tensors.items()
+        }
+        return fmt.dump_metadata(Metadata(state_dict_metadata=sd, storage_data=records))
+
+    def rec(name: Any = "__0_0.distcp", offset: Any = 0, length: Any = 8) -> Any:
+        return _StorageInfo(name, offset, length)
+
+    def at(fqn: str, *off: int) -> Any:
+        return MetadataIndex(fqn, torch.Size(off))
+
+    one = {"w": ((2,), [((0,), (2,))])}
+    two = {"w": ((4,), [((0,), (2,)), ((2,), (2,))])}
+    return {
+        "records fine": md({at("w", 0): rec()}, **one, e=((0,), [((0,), (0,))])),
+        "record names a path": md({at("w", 0): rec("a/b")}, **one),
+        "record names 256 bytes": md({at("w", 0): rec("x" * 256)}, **one),
+        "record names 255 bytes": md({at("w", 0): rec("x" * 255)}, **one),
+        "record names dotdot": md({at("w", 0): rec("..")}, **one),
+        "record offset negative": md({at("w", 0): rec(offset=-1)}, **one),
+        "record length a bool": md({at("w", 0): rec(length=True)}, **one),
+        "records apart": md({at("w", 0): rec(), at("w", 2): rec(offset=8)}, **two),
+        "records in two files": md(
+            {at("w", 0): rec(), at("w", 2): rec("__1_0.distcp", offset=0)}, **two
+        ),
+    }
+
+
+class _Sized(bytes):
+    """Stands for `.metadata` bytes of a given size without allocating them."""
+
+    n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: Any) -> bytes:
+        raise LookupError("read past the size check")
+
+
+@pytest.mark.spec("REF-4", "FMT-10")
+def test_both_paths_cap_the_metadata_size_alike() -> None:
+    for n in ((1 << 30) + 1, 1 << 30):
+        data = _Sized()
+        data.n = n
+        ref = _outcome(lambda data=data: fmt.load_metadata(data, "m"))
+        assert ref == _outcome(lambda data=data: fast_load_metadata(data, file="m"))
+        assert ref == ("UnsafeMetadataError" if n > 1 << 30 else "LookupError")
+
+
 def _outcome(run: Callable[[], Any]) -> str:
     """ "ok", or the class of the error (of each rank's error, for a failed collective call)."""
     try:
@@ -143,13 +214,14 @@ def _outcome(run: Callable[[], Any]) -> str:
     return "ok"
 
 
-@pytest.mark.spec("REF-4", "REF-2", "FMT-6", "FMT-7", "INTEG-2")
+@pytest.mark.spec("REF-4", "REF-2", "FMT-6", "FMT-7", "FMT-9", "INTEG-2", "STORE-26")
 @pytest.mark.parametrize("case", sorted(_metadata_cases()))
-def test_both_paths_refuse_a_damaged_metadata_file_alike(case: str) -> None:
-    data = _metadata_cases()[case]
-    ref = _outcome(lambda: fmt.load_metadata(data, "m"))
-    assert ref == _outcome(lambda: fast_load_metadata(data, file="m"))
-    assert (ref == "ok") == (case == "good")
+def test_both_paths_refuse_a_damaged_metadata_file_alike(case: str, tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(_metadata_cases()[case])
+    ref = _outcome(lambda: ReferenceReader(tmp_path).read_metadata())
+    assert ref == _outcome(lambda: refdcp.FileSystemReader(tmp_path).read_metadata())
+    fine = ("good", "records fine", "records apart", "records in two files")
+    assert (ref == "ok") == (case in (*fine, "record names 255 bytes"))
 
 
 def _load(api: Any, where: Path) -> None:
@@ -280,3 +352,15 @@ def test_both_paths_tell_the_same_rank_it_coordinates(coordinator: int, tmp_path
         got[impl] = (saw, loaded)
     want = {r: r == coordinator for r in range(3)}
     assert got["fast"] == got["reference"] == (want, want)
+
+
+@pytest.mark.spec("REF-4", "REF-2", "PLAN-6")
+def test_each_path_loads_the_objects_and_tensors_the_other_saved(tmp_path: Path) -> None:
+    sd = {"a": {"k": [1, "two"]}, "s": "xyz", "w": torch.arange(5.0), "n": 7}
+    for impl, api in PATHS.items():
+        api.save(sd, checkpoint_id=tmp_path / impl, comm=SingleRank())
+    for loader, saved in (("fast", "reference"), ("reference", "fast")):
+        out: dict[str, Any] = {"a": None, "s": "", "w": torch.zeros(5), "n": 0}
+        PATHS[loader].load(out, checkpoint_id=tmp_path / saved, comm=SingleRank())
+        assert out["a"] == sd["a"] and out["s"] == "xyz" and out["n"] == 7
+        assert torch.equal(out["w"], sd["w"])

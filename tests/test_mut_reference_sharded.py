@@ -338,3 +338,40 @@ def test_the_reader_refuses_a_destination_of_another_size(tmp_path: Path) -> Non
     reader.set_up_storage_reader(md, True)
     with pytest.raises(ValueError, match=r"'w': destination \[2\] does not match the read \[1\]"):
         reader.read_data(plan, planner)
+
+
+def _chunk(at: int, n: int) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(torch.Size([at]), torch.Size([n]))
+
+
+@pytest.mark.spec("RESHARD-1", "RESHARD-3")
+def test_reads_skip_empty_and_touching_saved_chunks_and_go_on() -> None:
+    """An empty saved chunk listed first, and one that only touches the target, give no read;
+    the chunks after them still do."""
+    from refdcp.reference.load_planner import reads_for_chunk
+
+    saved = [_chunk(0, 0), _chunk(0, 2), _chunk(2, 2), _chunk(4, 4)]
+    reads = reads_for_chunk("w", 0, _chunk(2, 2), saved)
+    assert [(tuple(r.storage_index.offset), tuple(r.lengths)) for r in reads] == [((2,), (2,))]
+    reads = reads_for_chunk("w", 0, _chunk(0, 8), saved)
+    assert [tuple(r.storage_index.offset) for r in reads] == [(0,), (2,), (4,)]
+
+
+@pytest.mark.spec("ONCE-1", "DEDUP-3")
+def test_each_rank_starts_at_the_bytes_it_alone_reads() -> None:
+    """Rank 0 alone reads 6 bytes (3 int16), rank 1 alone 5 bytes (5 uint8): the shared
+    6-byte chunk goes to rank 1, the less loaded."""
+    md = Metadata(
+        state_dict_metadata={
+            k: TensorStorageMetadata(TensorProperties(dtype=dt), torch.Size([n]), [_chunk(0, n)])
+            for k, dt, n in (("c", torch.int16, 3), ("d", torch.uint8, 5), ("s", torch.int16, 3))
+        }
+    )
+    z = torch.Size([0])
+
+    def read(fqn: str) -> ReadItem:
+        where = MetadataIndex(fqn, z)
+        return ReadItem(LoadItemType.TENSOR, where, z, where, z, torch.Size([1]))
+
+    plans = [LoadPlan([read("c"), read("s")]), LoadPlan([read("d"), read("s")])]
+    assert read_once_readers(plans, md) == {("s", (0,)): 1}
