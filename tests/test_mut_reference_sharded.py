@@ -375,3 +375,28 @@ def test_each_rank_starts_at_the_bytes_it_alone_reads() -> None:
 
     plans = [LoadPlan([read("c"), read("s")]), LoadPlan([read("d"), read("s")])]
     assert read_once_readers(plans, md) == {("s", (0,)): 1}
+
+
+class _Committed(ReferenceLoadPlanner):
+    """Records each read it is handed back (commit_tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed: list[tuple[str, torch.Tensor]] = []
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed.append((read_item.dest_index.fqn, tensor.clone()))
+
+
+@pytest.mark.spec("STORE-12")
+def test_the_reader_hands_each_filled_tensor_back_to_the_planner(tmp_path: Path) -> None:
+    refdcp.reference.save({"w": torch.arange(3.0), "o": "x"}, checkpoint_id=tmp_path)
+    reader = ReferenceReader(tmp_path)
+    md = reader.read_metadata()
+    planner = _Committed()
+    planner.set_up_planner({"w": torch.zeros(3), "o": ""}, md, True)
+    plan = planner.create_local_plan()
+    reader.set_up_storage_reader(md, True)
+    reader.read_data(plan, planner).wait()
+    assert [fqn for fqn, _ in planner.committed] == ["w"]
+    assert torch.equal(planner.committed[0][1], torch.arange(3.0))
