@@ -176,7 +176,7 @@ class _Unpickler(pickle.Unpickler):
         ):
             return getattr(torch, name)
         if (module, name) in ALLOWED:
-            return super().find_class(module, name)
+            return pickle.Unpickler.find_class(self, module, name)
         raise UnsafeMetadataError(f".metadata references {module}.{name}, which is not allowed")
 
     def persistent_load(self, pid: Any) -> Any:

@@ -64,7 +64,6 @@ class ReferenceWriter(StorageWriter):
     """Writes a checkpoint directory torch's ``FileSystemReader`` loads (STORE-7, API-7)."""
 
     def __init__(self, path: str | os.PathLike[str], *, sync_files: bool = True) -> None:
-        super().__init__()
         self.sync_files = sync_files
         self.reset(path)
 
@@ -158,7 +157,6 @@ class ReferenceReader(StorageReader):
     """Reads refdcp and torch checkpoints in torch's layout (FMT-5, STORE-12)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__()
         self.verify: bool | None = None
         self.reset(path)
 
