@@ -11,6 +11,7 @@ not a readable directory (API-25).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 from pathlib import Path
@@ -95,3 +96,26 @@ def test_holds_safetensors_only_is_false_for_what_is_not_a_readable_directory(
     assert holds_safetensors_only(tmp_path / "model.safetensors") is False  # a file
     (tmp_path / ".metadata").write_bytes(b"")
     assert holds_safetensors_only(tmp_path) is False
+
+
+@pytest.mark.spec("STORE-57")
+def test_opened_dir_opens_directories_only_and_close_on_exec(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x")
+    before = _open_fds()
+    with pytest.raises(NotADirectoryError):
+        opened_dir(tmp_path / "f")
+    assert _open_fds() == before
+    dir_fd = opened_dir(tmp_path)
+    try:
+        assert fcntl.fcntl(dir_fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        assert os.listdir(dir_fd) == ["f"]
+    finally:
+        os.close(dir_fd)
+
+
+@pytest.mark.spec("STORE-57")
+def test_boot_id_is_the_kernels_and_part_of_the_host_identity() -> None:
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        kernel = fh.read().strip()
+    assert kernel and boot_id() == kernel
+    assert host_identity() == f"{socket.gethostname()}/{kernel}"
