@@ -1,0 +1,66 @@
+"""A problem of ``.metadata`` itself is reported at offset 0 of ``.metadata`` (issue 28).
+
+``verify_checkpoint`` names every problem with fqn, file and offset (INTEG-6);
+for what is wrong with the metadata as a whole (refused by the safe unpickler, a
+format it does not know, chunks that do not tile a tensor, FMT-28, or two
+records sharing bytes, FMT-29) the file is ``.metadata`` and the offset 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import refdcp
+from refdcp.storage.metadata.safe import dump_metadata, load_metadata
+from refdcp.storage.verify import Problem, verify_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _saved(path: Path) -> Any:
+    refdcp.save({"a": torch.arange(16.0), "b": torch.arange(8)}, checkpoint_id=path)
+    return load_metadata((path / ".metadata").read_bytes())
+
+
+def _future_version(md: Any) -> bytes:
+    md.version = "9.9"
+    return dump_metadata(md)
+
+
+def _chunk_listed_twice(md: Any) -> bytes:
+    chunks = md.state_dict_metadata["a"].chunks
+    chunks.append(copy.deepcopy(chunks[0]))
+    return dump_metadata(md)
+
+
+def _records_sharing_bytes(md: Any) -> bytes:
+    by_fqn = {k.fqn: (k, info) for k, info in md.storage_data.items()}
+    (_, a), (_, b) = by_fqn["a"], by_fqn["b"]
+    b.relative_path, b.offset = a.relative_path, a.offset
+    return dump_metadata(md)
+
+
+_CASES = {
+    "a global the unpickler refuses": (lambda md: b"\x80\x04cos\nsystem\n.", None, "os"),
+    "a format version it does not know": (_future_version, None, "not supported"),
+    "chunks that do not tile a tensor": (_chunk_listed_twice, "a", "do not tile"),
+    "two records sharing bytes": (_records_sharing_bytes, None, "share"),
+}
+
+
+@pytest.mark.spec("INTEG-6", "FMT-28", "FMT-29")
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_a_problem_of_the_metadata_is_reported_at_its_offset_0(tmp_path: Path, case: str) -> None:
+    make, fqn, words = _CASES[case]
+    (tmp_path / ".metadata").write_bytes(make(_saved(tmp_path)))
+    report = verify_checkpoint(tmp_path)
+    assert not report.ok
+    ours = [p for p in report.problems if words in p.message]
+    assert ours, report.problems
+    for p in ours:
+        assert p == Problem(fqn, ".metadata", 0, p.message)
