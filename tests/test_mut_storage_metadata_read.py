@@ -19,10 +19,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refdcp.storage.errors import UnsafeMetadataError
+from refdcp.crc.kernel import crc32c
+from refdcp.storage.errors import CorruptionError, UnsafeMetadataError
 from refdcp.storage.fs.metadata_file import read_metadata_file, read_metadata_file_stat
 from refdcp.storage.metadata.limits import MetadataLimits
-from refdcp.storage.metadata.safe import safe_loads
+from refdcp.storage.metadata.safe import load_metadata, safe_loads
 
 
 def _open_fds() -> int:
@@ -165,3 +166,24 @@ def test_a_memoized_pair_state_is_charged_like_a_dict_state(slots: bool) -> None
     with pytest.raises(UnsafeMetadataError, match="memory bomb") as err:
         safe_loads(big, limits)
     assert "StorageMeta" in str(err.value)
+
+
+_NOT_A_PICKLE = {
+    "cut short": b"\x80\x04K\x01",
+    "an unknown opcode": b"\x80\x04\xff.",
+    "empty": b"",
+}
+
+
+@pytest.mark.spec("INTEG-2", "FMT-5")
+@pytest.mark.parametrize("case", sorted(_NOT_A_PICKLE))
+@pytest.mark.parametrize("trailer", [False, True], ids=["torch", "refdcp"])
+def test_a_metadata_that_does_not_unpickle_is_corrupt_at_offset_0(case: str, trailer: bool) -> None:
+    """With or without refdcp's trailer (its CRC matching the bad pickle): CorruptionError
+    naming the file at offset 0, not an unpickling error."""
+    body = _NOT_A_PICKLE[case]
+    data = body + b"#refdcp-crc32c:%08x\n" % crc32c(body) if trailer else body
+    with pytest.raises(CorruptionError, match="does not unpickle") as info:
+        load_metadata(data, file="ckpt/.metadata")
+    err = info.value
+    assert (err.fqn, err.file, err.offset) == (None, "ckpt/.metadata", 0)
