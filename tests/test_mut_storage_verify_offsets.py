@@ -3,7 +3,8 @@
 ``verify_checkpoint`` names every problem with fqn, file and offset (INTEG-6);
 for what is wrong with the metadata as a whole (refused by the safe unpickler, a
 format it does not know, chunks that do not tile a tensor, FMT-28, or two
-records sharing bytes, FMT-29) the file is ``.metadata`` and the offset 0.
+records sharing bytes, FMT-29) the file is ``.metadata`` and the offset 0. An
+item is read in pieces of at most 8 MiB (INTEG-10).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 import refdcp
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
-from refdcp.storage.verify import Problem, verify_checkpoint
+from refdcp.storage.verify import Problem, verify_checkpoint, verify_ranges
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -64,3 +65,20 @@ def test_a_problem_of_the_metadata_is_reported_at_its_offset_0(tmp_path: Path, c
     assert ours, report.problems
     for p in ours:
         assert p == Problem(fqn, ".metadata", 0, p.message)
+
+
+@pytest.mark.spec("INTEG-10")
+def test_an_item_over_8_mib_is_read_in_pieces_of_at_most_8_mib(tmp_path: Path) -> None:
+    big = torch.arange((9 << 20) // 4, dtype=torch.float32)  # a 9 MiB item
+    refdcp.save({"big": big, "small": torch.ones(3)}, checkpoint_id=tmp_path)
+    asked: list[int] = []
+
+    def read_range(name: str, offset: int, length: int) -> bytes | None:
+        asked.append(length)
+        with open(tmp_path / name, "rb") as fh:
+            fh.seek(offset)
+            return fh.read(length)
+
+    report = verify_ranges((tmp_path / ".metadata").read_bytes(), read_range, str(tmp_path))
+    assert report.ok and report.items_checked == 2
+    assert max(asked) <= 8 << 20 and sum(asked) > 9 << 20
