@@ -4,12 +4,14 @@
 for what is wrong with the metadata as a whole (refused by the safe unpickler, a
 format it does not know, chunks that do not tile a tensor, FMT-28, or two
 records sharing bytes, FMT-29) the file is ``.metadata`` and the offset 0. An
-item is read in pieces of at most 8 MiB (INTEG-10).
+item is read in pieces of at most 8 MiB (INTEG-10), one data file open at a time
+(STORE-28).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import torch
 
 import refdcp
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
-from refdcp.storage.verify import Problem, verify_checkpoint, verify_ranges
+from refdcp.storage.verify import Problem, _FileRanges, verify_checkpoint, verify_ranges
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -82,3 +84,28 @@ def test_an_item_over_8_mib_is_read_in_pieces_of_at_most_8_mib(tmp_path: Path) -
     report = verify_ranges((tmp_path / ".metadata").read_bytes(), read_range, str(tmp_path))
     assert report.ok and report.items_checked == 2
     assert max(asked) <= 8 << 20 and sum(asked) > 9 << 20
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.spec("STORE-28")
+def test_verify_reads_one_open_file_at_a_time(tmp_path: Path) -> None:
+    names = ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([i]) * 10)
+    before = _open_fds()
+    ranges = _FileRanges(tmp_path)
+    try:
+        for _ in range(2):
+            for i, name in enumerate(names):
+                assert ranges(name, 2, 5) == bytes([i]) * 5
+                assert ranges(name, 8, 5) == bytes([i]) * 2  # never past the file's end
+                assert ranges(name, 10, 5) == b""
+                assert _open_fds() == before + 1
+        assert ranges("__9_0.distcp", 0, 5) is None  # a missing file
+        assert _open_fds() == before
+    finally:
+        ranges.close()
+    assert _open_fds() == before
