@@ -104,6 +104,12 @@ def test_verify_reads_one_open_file_at_a_time(tmp_path: Path) -> None:
                 assert ranges(name, 8, 5) == bytes([i]) * 2  # never past the file's end
                 assert ranges(name, 10, 5) == b""
                 assert _open_fds() == before + 1
+        # a file that grows once opened is read to the end it had when opened
+        assert ranges(names[0], 0, 1) == b"\x00"
+        with open(tmp_path / names[0], "ab") as fh:
+            fh.write(b"\xff" * 10)
+        assert ranges(names[0], 8, 5) == b"\x00" * 2
+        assert ranges(names[0], 10, 5) == b""
         assert ranges("__9_0.distcp", 0, 5) is None  # a missing file
         assert _open_fds() == before
     finally:
