@@ -107,3 +107,21 @@ def test_a_lock_name_turned_into_a_link_to_the_opened_file_is_refused(
             os.close(dir_fd)
     assert moved.read_text() == stale
     assert path.is_symlink()
+
+
+@pytest.mark.spec("STORE-57")
+@pytest.mark.parametrize("by_dir_fd", [False, True], ids=["path", "dir_fd"])
+def test_release_leaves_a_link_that_replaced_the_lock_name(tmp_path: Path, by_dir_fd: bool) -> None:
+    """The lock name now a symbolic link to the held lock file (moved away): it is not the
+    lock any more, and release does not remove it."""
+    dir_fd = opened_dir(tmp_path) if by_dir_fd else None
+    try:
+        lock = acquire_save_lock(tmp_path, ".metadata", "0123456789ab", dir_fd=dir_fd)
+        path = tmp_path / ".metadata.lock"
+        os.rename(path, tmp_path / "moved")
+        os.symlink("moved", path)
+        lock.release()
+        assert path.is_symlink() and (tmp_path / "moved").exists()
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)

@@ -119,3 +119,17 @@ def test_boot_id_is_the_kernels_and_part_of_the_host_identity() -> None:
         kernel = fh.read().strip()
     assert kernel and boot_id() == kernel
     assert host_identity() == f"{socket.gethostname()}/{kernel}"
+
+
+@pytest.mark.spec("STORE-59")
+def test_open_regular_following_links_opens_for_reading_only_what_was_asked(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "target").write_bytes(b"payload")
+    os.symlink("target", tmp_path / "link")
+    fd = open_regular(tmp_path / "link", os.O_RDONLY, follow_links=True)
+    try:
+        assert os.read(fd, 100) == b"payload"
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    finally:
+        os.close(fd)
