@@ -23,7 +23,7 @@ from refdcp.crc.kernel import crc32c
 from refdcp.storage.errors import CorruptionError, UnsafeMetadataError
 from refdcp.storage.fs.metadata_file import read_metadata_file, read_metadata_file_stat
 from refdcp.storage.metadata.limits import MetadataLimits
-from refdcp.storage.metadata.safe import load_metadata, safe_loads
+from refdcp.storage.metadata.safe import has_checksum_trailer, load_metadata, safe_loads
 
 
 def _open_fds() -> int:
@@ -187,3 +187,30 @@ def test_a_metadata_that_does_not_unpickle_is_corrupt_at_offset_0(case: str, tra
         load_metadata(data, file="ckpt/.metadata")
     err = info.value
     assert (err.fqn, err.file, err.offset) == (None, "ckpt/.metadata", 0)
+
+
+def _path_bomb(chars: int, paths: int) -> bytes:
+    """One memoized string of ``chars`` characters made into ``paths`` PosixPath objects."""
+    out = bytearray(b"\x80\x04cpathlib\nPosixPath\nq\x00" + _str("p" * chars) + b"q\x01](")
+    for _ in range(paths):
+        out += b"h\x00(h\x01tR"
+    return bytes(out + b"e.")
+
+
+@pytest.mark.spec("FMT-11")
+def test_paths_built_from_one_memoized_string_are_charged_their_length() -> None:
+    limits = MetadataLimits(slack_units=1)
+    one = safe_loads(_path_bomb(1000, 1), limits)  # 1,001 units: within the file's size
+    assert [str(p) for p in one] == ["p" * 1000]
+    with pytest.raises(UnsafeMetadataError, match="memory bomb") as err:
+        safe_loads(_path_bomb(1000, 300), limits)  # about 300,000 units from about 3 kB
+    assert "PosixPath" in str(err.value)
+
+
+@pytest.mark.spec("INTEG-2")
+@pytest.mark.parametrize("body_len", [0, 1, 23, 24, 25, 47, 48, 100])
+def test_the_trailer_is_found_after_a_body_of_any_length(body_len: int) -> None:
+    body = bytes(range(256))[:body_len] if body_len <= 256 else b""
+    data = body + b"#refdcp-crc32c:%08x\n" % crc32c(body)
+    assert has_checksum_trailer(data)
+    assert not has_checksum_trailer(body + b"#refdcp-crc32c:%08x" % crc32c(body))
