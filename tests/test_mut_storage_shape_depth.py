@@ -46,3 +46,18 @@ def test_planner_data_nested_deeper_than_the_limit_is_refused(
     else:
         with pytest.raises(MalformedMetadataError, match=r"planner_data.*nested deeper than"):
             check_metadata(md, file="m", limits=limits)
+
+
+@pytest.mark.spec("FMT-9")
+@pytest.mark.parametrize("max_depth", [2, 3, 4])
+def test_a_tuple_key_of_a_nested_dict_counts_one_level_deeper(max_depth: int) -> None:
+    """planner_data (level 1) -> a dict (level 2) -> a tuple key (level 3)."""
+    md = Metadata(
+        {"a": BytesStorageMetadata()}, planner_data={"a": {("x", 1): "v"}}, storage_data={}
+    )
+    limits = MetadataLimits(max_depth=max_depth)
+    if max_depth >= 3:
+        check_metadata(md, file="m", limits=limits)
+    else:
+        with pytest.raises(MalformedMetadataError, match="nested deeper than 2"):
+            check_metadata(md, file="m", limits=limits)
