@@ -214,3 +214,18 @@ def test_the_trailer_is_found_after_a_body_of_any_length(body_len: int) -> None:
     data = body + b"#refdcp-crc32c:%08x\n" % crc32c(body)
     assert has_checksum_trailer(data)
     assert not has_checksum_trailer(body + b"#refdcp-crc32c:%08x" % crc32c(body))
+
+
+@pytest.mark.spec("FMT-6")
+@pytest.mark.parametrize("keys", [1, 5])
+def test_a_tensor_properties_given_a_dict_state_is_refused_as_pickle_refuses_it(
+    keys: int,
+) -> None:
+    """TensorProperties has its own __setstate__ (a 5-tuple): a dict state is never
+    written into the object directly."""
+    names = ["dtype", "layout", "requires_grad", "memory_format", "pin_memory"][:keys]
+    raw = _built("TensorProperties", _dict(dict.fromkeys(names, 1)))
+    with pytest.raises(Exception) as expected:
+        pickle.loads(raw)
+    with pytest.raises(type(expected.value)):
+        safe_loads(raw)
