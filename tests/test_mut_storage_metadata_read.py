@@ -229,3 +229,31 @@ def test_a_tensor_properties_given_a_dict_state_is_refused_as_pickle_refuses_it(
         pickle.loads(raw)
     with pytest.raises(type(expected.value)):
         safe_loads(raw)
+
+
+def _spent_then_tensor_properties(keys: int, objects: int) -> bytes:
+    """``objects`` StorageMeta built from one memoized dict of ``keys`` entries (charged
+    ``keys`` each), then a TensorProperties given the state ``5`` (charged 1; its own
+    __setstate__ then refuses it with TypeError)."""
+    out = bytearray(b"\x80\x04c" + _MOD + b"\nStorageMeta\nq\x00")
+    out += b"}(" + b"".join(_str(f"k{k}") + b"K\x01" for k in range(keys)) + b"uq\x01]("
+    out += b"h\x00)\x81h\x01b" * objects
+    out += b"c" + _MOD + b"\nTensorProperties\n)\x81K\x05b"
+    return bytes(out + b"e.")
+
+
+@pytest.mark.spec("FMT-11")
+def test_a_state_given_to_a_class_with_its_own_setstate_is_charged_one_unit() -> None:
+    """Budget = file size + slack; charges = objects * keys + 1. With the budget exactly
+    equal to the charges nothing is refused for size (TensorProperties' own __setstate__
+    then refuses the state); one unit less and the build is refused as a memory bomb."""
+    raw = _spent_then_tensor_properties(keys=50, objects=40)
+    charges = 50 * 40 + 1
+    slack = charges - len(raw)
+    assert slack > 0
+    with pytest.raises(TypeError):
+        safe_loads(raw, MetadataLimits(slack_units=slack))
+    with pytest.raises(
+        UnsafeMetadataError, match=r"\(TensorProperties\); refusing it as a memory bomb"
+    ):
+        safe_loads(raw, MetadataLimits(slack_units=slack - 1))
