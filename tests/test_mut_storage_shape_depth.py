@@ -61,3 +61,13 @@ def test_a_tuple_key_of_a_nested_dict_counts_one_level_deeper(max_depth: int) ->
     else:
         with pytest.raises(MalformedMetadataError, match="nested deeper than 2"):
             check_metadata(md, file="m", limits=limits)
+
+
+@pytest.mark.spec("FMT-9")
+@pytest.mark.parametrize("max_depth", [2, 3, 64])
+def test_a_planner_data_that_refers_back_to_itself_is_checked_once(max_depth: int) -> None:
+    """A memoized reference back to planner_data adds no level: it was checked already."""
+    planner_data: dict[str, Any] = {"b": ("x", 1)}
+    planner_data["a"] = (planner_data,)
+    md = Metadata({"a": BytesStorageMetadata()}, planner_data=planner_data, storage_data={})
+    check_metadata(md, file="m", limits=MetadataLimits(max_depth=max_depth))
