@@ -19,8 +19,15 @@ import pytest
 import torch
 
 import refdcp
+from refdcp.storage.fs.metadata_file import metadata_identity
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
-from refdcp.storage.verify import Problem, _FileRanges, verify_checkpoint, verify_ranges
+from refdcp.storage.verify import (
+    Problem,
+    _FileRanges,
+    _identity_now,
+    verify_checkpoint,
+    verify_ranges,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -115,3 +122,21 @@ def test_verify_reads_one_open_file_at_a_time(tmp_path: Path) -> None:
     finally:
         ranges.close()
     assert _open_fds() == before
+
+
+@pytest.mark.spec("INTEG-14")
+def test_a_metadata_name_turned_into_a_link_is_never_the_file_that_was_read(
+    tmp_path: Path,
+) -> None:
+    """What verify compares after checking is the identity of the name itself: a link to
+    the very file it read is another file (verify would check again, and refuse the link)."""
+    _saved(tmp_path)
+    meta = tmp_path / ".metadata"
+    read = metadata_identity(os.stat(meta))
+    assert _identity_now(meta) == read
+    os.rename(meta, tmp_path / "moved")
+    moved = metadata_identity(os.stat(tmp_path / "moved"))
+    os.symlink("moved", meta)
+    assert _identity_now(meta) == metadata_identity(os.lstat(meta)) != moved
+    os.unlink(meta)
+    assert _identity_now(meta) is None
