@@ -210,7 +210,7 @@ def test_paths_built_from_one_memoized_string_are_charged_their_length() -> None
 @pytest.mark.spec("INTEG-2")
 @pytest.mark.parametrize("body_len", [0, 1, 23, 24, 25, 47, 48, 100])
 def test_the_trailer_is_found_after_a_body_of_any_length(body_len: int) -> None:
-    body = bytes(range(256))[:body_len] if body_len <= 256 else b""
+    body = bytes(range(body_len))
     data = body + b"#refdcp-crc32c:%08x\n" % crc32c(body)
     assert has_checksum_trailer(data)
     assert not has_checksum_trailer(body + b"#refdcp-crc32c:%08x" % crc32c(body))
