@@ -104,9 +104,9 @@ def locate_tensor_data(
     """Offset, inside the item, of the elements of a stored contiguous tensor (STORE-40).
 
     None unless the archive at ``fd[offset:offset+length]`` holds exactly one
-    plain tensor of ``dtype`` and shape ``sizes``, contiguous, with its
-    elements inside one stored (uncompressed) member; the caller then reads
-    the item through ``torch.load`` instead.
+    plain tensor of ``dtype`` and shape ``sizes``, contiguous, with its whole
+    storage inside one stored (uncompressed) member and a ``data.pkl`` of at
+    most 16 MiB; the caller then reads the item through ``torch.load`` instead.
     """
     stream = FileSlice(fd, offset, length)
     try:
@@ -132,7 +132,8 @@ def locate_tensor_data(
             if member.compress_type != zipfile.ZIP_STORED:
                 return None
             start = tensor.storage_offset() * tensor.element_size()
-            if start + tensor.nbytes > member.file_size:
+            stored = tensor.untyped_storage().nbytes()  # what data.pkl says the member holds
+            if start + tensor.nbytes > member.file_size or stored > member.file_size:
                 return None
             data_at = _member_data_at(stream, member)
     except (zipfile.BadZipFile, KeyError, ValueError, struct.error, RuntimeError, EOFError):

@@ -34,8 +34,9 @@ def read_metadata_file_stat(
     *,
     dir_fd: int | None = None,
 ) -> tuple[bytes, os.stat_result]:
-    """:func:`read_metadata_file`, with the ``fstat`` of the file it read: what a load
-    compares the path with later to tell whether the checkpoint was replaced (LOAD-22)."""
+    """:func:`read_metadata_file` (capped as it is, FMT-10), with the ``fstat`` of the file
+    it read: what a load compares the path with later to tell whether the checkpoint was
+    replaced (LOAD-22)."""
     limits = limits or get_metadata_limits()
     fd = open_regular(path, os.O_RDONLY, dir_fd=dir_fd)
     try:
