@@ -257,11 +257,11 @@ def _load_planner(
     """The planner a load uses; ``safe_globals`` (LOAD-8) and ``read_once`` (ONCE-6) go to
     refdcp's DefaultLoadPlanner."""
     from refdcp.planning import DefaultLoadPlanner
+    from refdcp.planning.load_planner import check_read_once
 
     p = planner or _default_load_planner()
     if read_once is not None:
-        if read_once not in (True, False, "auto"):
-            raise ValueError(f"read_once must be True, False, 'auto' or None, not {read_once!r}")
+        check_read_once(read_once)
         if not isinstance(p, DefaultLoadPlanner):
             raise ValueError(
                 f"read_once= applies to refdcp's DefaultLoadPlanner, not {type(p).__name__}"

@@ -48,7 +48,14 @@ from .read_once import (
 )
 from .resharding import read_items_for_chunks, whole_tensor_read
 
-__all__ = ["DefaultLoadPlanner"]
+__all__ = ["DefaultLoadPlanner", "check_read_once"]
+
+
+def check_read_once(value: object) -> None:
+    """Refuse a ``read_once`` that is not ``True``, ``False`` or ``"auto"`` (ONCE-6)."""
+    if value not in (True, False, "auto"):
+        raise ValueError(f"read_once must be True, False or 'auto', not {value!r}")
+
 
 #: Destinations that are one whole local tensor (no chunk list, no shards).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -102,8 +109,7 @@ class DefaultLoadPlanner(LoadPlanner):
         safe_globals: Sequence[Any] = (),
         read_once: bool | Literal["auto"] = "auto",
     ) -> None:
-        if read_once not in (True, False, "auto"):
-            raise ValueError(f"read_once must be True, False or 'auto', not {read_once!r}")
+        check_read_once(read_once)
         if not flatten_state_dict:
             raise ValueError("refdcp's DefaultLoadPlanner always flattens (FLAT-1)")
         self.flatten_sharded_tensors = flatten_sharded_tensors
