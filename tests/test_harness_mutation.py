@@ -359,3 +359,36 @@ def test_a_report_states_its_unconfirmed_timeouts(tmp_path: Path) -> None:
     run.write_reports(recs, out, 0, 1, 3, 1.0, [], commit="abc")
     md = out.with_suffix(".md").read_text(encoding="utf-8")
     assert "Timeouts, counted as killed: 2; 1 of them unconfirmed" in md
+
+
+@pytest.mark.spec("HARN-3")
+def test_the_baseline_records_lines_run_after_a_test_that_switched_tracing_off(
+    tmp_path: Path,
+) -> None:
+    """A test that turns tracing off (as ``learner_path`` traced a save of its own) must not
+    hide the lines every later test runs: each test starts with the baseline's tracer."""
+    target = tmp_path / "target_mod.py"
+    target.write_text("def f(x):\n    y = x + 1\n    return y\n")
+    (tmp_path / "test_pair.py").write_text(
+        "import sys, threading\n"
+        "import target_mod\n\n"
+        "def test_a_off():\n"
+        "    sys.settrace(None)\n"
+        "    threading.settrace(None)\n\n"
+        "def test_b_runs():\n"
+        "    assert target_mod.f(1) == 2\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    outer = sys.gettrace()
+    try:
+        res = run.baseline_job(
+            [f"{tmp_path}/test_pair.py::test_a_off", f"{tmp_path}/test_pair.py::test_b_runs"],
+            {str(target)},
+        )()
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("target_mod", None)
+        sys.settrace(outer)
+    assert res["rc"] == 0, res
+    hits = res["hits"][str(target)]
+    assert [t.rsplit("/", 1)[-1] for t in hits["2"]] == ["test_pair.py::test_b_runs"], hits

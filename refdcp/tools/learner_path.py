@@ -63,13 +63,14 @@ def traced_files(run: Callable[[], Any], under: Path) -> set[Path]:
         if frame.f_code.co_filename.startswith(prefix):
             seen.add(frame.f_code.co_filename)
 
+    outer, outer_threads = sys.gettrace(), threading.gettrace()
     threading.settrace(tracer)
     sys.settrace(tracer)
     try:
         run()
-    finally:
-        sys.settrace(None)
-        threading.settrace(None)
+    finally:  # the caller's tracers (a debugger, coverage, the mutation baseline) come back
+        sys.settrace(outer)
+        threading.settrace(outer_threads)
     return {Path(f) for f in seen}
 
 
