@@ -1,8 +1,9 @@
 """The data-file writer's batches and its writeback hint, seen from outside (STORE-50,
-STORE-60, FMT-2; issue 28).
+STORE-60, FMT-2, FMT-3; issue 28).
 
-``_FileOut`` gathers small items into batches of at least 4 MiB and hands each written
-batch to the kernel's writeback (``sync_file_range``). These tests save through
+``_FileOut`` gathers small items into batches, written once they reach 4 MiB (or 512
+parts), and hands the written bytes to the kernel's writeback (``sync_file_range``) once
+at least 4 MiB of them are not handed yet. These tests save through
 ``refdcp.save`` with a recorder in place of ``start_writeback`` (or of the C library's
 call) and check what every hint covers against the items' recorded offsets and the bytes
 in the file: a hint covers written bytes only, contiguously from the start of the file,
@@ -168,7 +169,7 @@ def test_a_batch_reaching_exactly_4_mib_is_written_and_handed_at_once(
     assert calls[0][:2] == (0, 4 * MIB)
 
 
-@pytest.mark.spec("STORE-60", "STORE-1")
+@pytest.mark.spec("STORE-60")
 @pytest.mark.parametrize("count", [1, 400])
 def test_small_tensors_after_an_almost_full_batch_are_written_in_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int
@@ -275,7 +276,7 @@ def test_one_byte_items_and_one_byte_pads_reach_the_file(
 # -- the memory of a gathered small item stays alive until it is written --------------------
 
 
-@pytest.mark.spec("STORE-60", "STORE-1")
+@pytest.mark.spec("STORE-60", "FMT-3")
 def test_small_items_resolved_to_copies_are_stored_as_they_were(tmp_path: Path) -> None:
     """A planner that resolves every tensor to a fresh copy, referenced by nothing else:
     the writer keeps each copy alive until the batch holding its bytes is written, so the
