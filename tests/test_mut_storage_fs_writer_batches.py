@@ -225,8 +225,8 @@ def test_the_hint_asks_for_exactly_the_range_given_and_never_for_an_empty_one(
 @pytest.mark.spec("STORE-60")
 def test_the_c_library_call_is_found_and_starts_writeback_of_a_range(tmp_path: Path) -> None:
     """On Linux (refdcp's platform) the C library has ``sync_file_range``: the lookup gives
-    a call that accepts a written range of a file (returns 0), and a failing call (a
-    closed descriptor) only returns -1."""
+    a call that accepts a written range of a file (returns 0), and a failing call (no such
+    descriptor) only returns -1."""
     call = fs_module._libc_sync_file_range()
     assert call is not None
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY, 0o600)
@@ -236,7 +236,7 @@ def test_the_c_library_call_is_found_and_starts_writeback_of_a_range(tmp_path: P
         assert call(fd, 4096, 4096, fs_module._SYNC_FILE_RANGE_WRITE) == 0
     finally:
         os.close(fd)
-    assert call(fd, 0, 1, fs_module._SYNC_FILE_RANGE_WRITE) == -1
+    assert call(-1, 0, 1, fs_module._SYNC_FILE_RANGE_WRITE) == -1  # no such descriptor
     assert (tmp_path / "f").read_bytes() == b"x" * 65536
 
 
