@@ -187,7 +187,7 @@ def split_into_buckets(n: int, items: list[WriteItem]) -> list[list[WriteItem]]:
 def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """Linux's ``sync_file_range(2)`` from the C library, or None where there is none."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = ctypes.CDLL(None).sync_file_range  # errno unread: failing changes nothing, STORE-60
     except (AttributeError, OSError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
