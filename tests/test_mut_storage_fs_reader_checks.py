@@ -69,7 +69,7 @@ def _flip(root: Path, info: Any, at: int) -> None:
 # -- STORE-28: a truncated data file is refused before anything is allocated for its items ------
 
 
-@pytest.mark.spec("STORE-28", "LOAD-10")
+@pytest.mark.spec("STORE-28", "STORE-13", "LOAD-10")
 @pytest.mark.parametrize("kind", ["bytes", "tensor, verify=True", "tensor part"])
 def test_an_item_past_the_end_of_its_file_is_refused_before_any_allocation(
     tmp_path: Path, kind: str

@@ -9,6 +9,7 @@ reader survivors).
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import tracemalloc
@@ -322,3 +323,44 @@ def test_a_large_item_is_unpickled_weights_only(tmp_path: Path) -> None:
     with pytest.raises(pickle.UnpicklingError, match=r"[Ww]eights only load failed"):
         _reader(tmp_path).read_data(plan, planner)
     assert not dest["w"].any()
+
+
+# -- STORE-61: read_data closes every data file it opened, returning or raising ----------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.spec("STORE-61", "FMT-24")
+@pytest.mark.parametrize("transformed", [False, True])
+@pytest.mark.parametrize("outcome", ["loads", "damaged", "truncated"])
+def test_read_data_leaves_no_data_file_open(
+    tmp_path: Path, transformed: bool, outcome: str
+) -> None:
+    """Two data files (two threads), plain or transformed, loaded whole, with one item
+    damaged or its file truncated: the process holds as many descriptors after
+    ``read_data`` as before it."""
+    state = {f"k{i}": torch.arange(6.0) + i for i in range(4)}
+    extensions = [Xor()] if transformed else None
+    writer = FileSystemWriter(tmp_path, sync_files=False, thread_count=2, _extensions=extensions)
+    refdcp.save(state, storage_writer=writer, no_dist=True)
+    records = _records(tmp_path)
+    assert len({r.relative_path for r in records.values()}) == 2
+    last = max(records.values(), key=lambda r: (r.relative_path, r.offset))
+    if outcome == "damaged":
+        _flip(tmp_path, last, last.length - 1)
+    elif outcome == "truncated":
+        os.truncate(tmp_path / last.relative_path, last.offset + 1)
+    dest = {k: torch.zeros(6) for k in state}
+    planner = DefaultLoadPlanner()
+    plan = _plan(planner, dest, tmp_path)
+    reader = _reader(tmp_path, registry=_registry())
+    before = _open_fds()
+    if outcome == "loads":
+        reader.read_data(plan, planner).wait()
+        assert all(torch.equal(dest[k], v) for k, v in state.items())
+    else:
+        with pytest.raises(CorruptionError):
+            reader.read_data(plan, planner)
+    assert _open_fds() == before

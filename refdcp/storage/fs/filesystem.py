@@ -833,7 +833,7 @@ class FileSystemReader(_AtPath, StorageReader):
                         )
                     prepared.append((req, info, small))
                 self._read_items(fd, relative_path, prepared, planner)
-            finally:
+            finally:  # STORE-61: closed whether the reads return or raise
                 os.close(fd)
 
     def _open_data(self, relative_path: str, req: ReadItem) -> int:
@@ -892,7 +892,7 @@ class FileSystemReader(_AtPath, StorageReader):
                         checked,
                     )
                     self._delivered.append(req.storage_index.fqn)
-            finally:
+            finally:  # STORE-61: closed whether the reads return or raise
                 os.close(fd)
 
     def _prepare(self, req: ReadItem, info: Any, relative_path: str) -> SmallItem | None:
@@ -974,7 +974,7 @@ class FileSystemReader(_AtPath, StorageReader):
             self._verify_streaming(fd, relative_path, fqn, info)
             self._verified.add((relative_path, int(info.offset)))
             checked = False  # verified whole, before any byte reaches the destination
-        if start is None and large:
+        if start is None and large:  # STORE-42: torch.load from the file, no copy first
             self._load_streaming(fd, relative_path, req, info, planner)
             return
         partial = checked and not self.verify and not self._whole_or_verified(req, info)
