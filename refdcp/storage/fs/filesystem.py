@@ -816,7 +816,7 @@ class FileSystemReader(_AtPath, StorageReader):
         if transformed:
             self._read_transformed(transformed, planner)
         for relative_path, reqs in per_file.items():
-            reqs.sort(key=lambda r: r[0])
+            reqs.sort(key=lambda r: r[0])  # STORE-47: items delivered in file order
             # STORE-26: open_data_file refuses a name that is not a plain file name
             fd = self._open_data(relative_path, reqs[0][1])  # STORE-27: regular files only
             try:
@@ -824,7 +824,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 prepared: list[tuple[ReadItem, Any, SmallItem | None]] = []
                 for offset, req, info in reqs:
                     small = self._prepare(req, info, relative_path)
-                    if offset + info.length > size:
+                    if offset + info.length > size:  # STORE-28: before allocating for it
                         raise CorruptionError(
                             f"data file truncated ({size} bytes, item needs {offset + info.length})",
                             fqn=req.storage_index.fqn,
@@ -833,7 +833,7 @@ class FileSystemReader(_AtPath, StorageReader):
                         )
                     prepared.append((req, info, small))
                 self._read_items(fd, relative_path, prepared, planner)
-            finally:
+            finally:  # STORE-61: closed whether the reads return or raise
                 os.close(fd)
 
     def _open_data(self, relative_path: str, req: ReadItem) -> int:
@@ -892,7 +892,7 @@ class FileSystemReader(_AtPath, StorageReader):
                         checked,
                     )
                     self._delivered.append(req.storage_index.fqn)
-            finally:
+            finally:  # STORE-61: closed whether the reads return or raise
                 os.close(fd)
 
     def _prepare(self, req: ReadItem, info: Any, relative_path: str) -> SmallItem | None:
@@ -974,7 +974,7 @@ class FileSystemReader(_AtPath, StorageReader):
             self._verify_streaming(fd, relative_path, fqn, info)
             self._verified.add((relative_path, int(info.offset)))
             checked = False  # verified whole, before any byte reaches the destination
-        if start is None and large:
+        if start is None and large:  # STORE-42: torch.load from the file, no copy first
             self._load_streaming(fd, relative_path, req, info, planner)
             return
         partial = checked and not self.verify and not self._whole_or_verified(req, info)
@@ -1009,7 +1009,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 and bytes_are_values(target)
             ):
                 self._read_into(fd, raw_view(target), start, info, fqn, relative_path, checked)
-                planner.commit_tensor(req, target)
+                planner.commit_tensor(req, target)  # STORE-12
                 return
             stored = torch.empty(sizes, dtype=dtype)
             self._read_into(fd, raw_view(stored), start, info, fqn, relative_path, checked)
@@ -1018,7 +1018,7 @@ class FileSystemReader(_AtPath, StorageReader):
                     f"read {fqn}: destination size {tuple(target.size())} != stored size {tuple(stored.size())}"
                 )
             target.copy_(stored)
-            planner.commit_tensor(req, target)
+            planner.commit_tensor(req, target)  # STORE-12
             return
         # a resharded read: fetch only the rows of the saved chunk it overlaps (row-major
         # storage makes them one contiguous byte range), then narrow the other dims (STORE-16)
