@@ -22,6 +22,7 @@ from typing import Any
 import crc32c
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -381,7 +382,11 @@ def _records_case(where: Path, how: str) -> None:
     elif how == "overlapping chunks":
         chunk = ChunkStorageMetadata(torch.Size([2]), torch.Size([2]))
         w_md.chunks.append(chunk)  # type: ignore[union-attr]
-        md.storage_data[MetadataIndex("w", torch.Size([2]))] = md.storage_data[v_index]
+        rec = md.storage_data[w_index]  # its record: bytes past the file's end, shared by none
+        end = (where / rec.relative_path).stat().st_size
+        md.storage_data[MetadataIndex("w", torch.Size([2]))] = _StorageInfo(
+            rec.relative_path, end, 8
+        )
     _write_metadata(where, md)
 
 
