@@ -63,6 +63,16 @@ def test_an_object_s_checksum_is_the_crc_of_its_canonical_protocol_4_pickle(valu
 
 
 @pytest.mark.spec("DEDUP-6", "REF-1")
+@pytest.mark.parametrize(
+    "value", [None, 7, "s", [1, "a"], (2, {3}), {"k": frozenset({1, 2})}, {4, 5}], ids=repr
+)
+def test_worked_examples_of_the_checksum_definition(value: Any) -> None:
+    """Plain calls on the test's own thread (the mutation runner traces only that thread, and
+    not inside hypothesis), each against the definition."""
+    assert value_checksum(value) == spec_checksum(value)
+
+
+@pytest.mark.spec("DEDUP-6", "REF-1")
 def test_checksums_ignore_insertion_order_but_not_content() -> None:
     """Equal sets and dicts built in other orders agree; any element of another value parts
     them, at any depth."""
