@@ -55,7 +55,8 @@ def code_lines(path: Path) -> int:
 
 
 def traced_files(run: Callable[[], Any], under: Path) -> set[Path]:
-    """The files under ``under`` whose code ran during ``run()``, on any thread."""
+    """The files under ``under`` whose code ran during ``run()``, on any thread; a tracer set
+    before the call (a coverage tool, the mutation runner's) is set again after it."""
     seen: set[str] = set()
     prefix = str(under)
 
@@ -63,13 +64,14 @@ def traced_files(run: Callable[[], Any], under: Path) -> set[Path]:
         if frame.f_code.co_filename.startswith(prefix):
             seen.add(frame.f_code.co_filename)
 
+    outer, outer_threads = sys.gettrace(), threading.gettrace()  # a caller's, e.g. coverage
     threading.settrace(tracer)
     sys.settrace(tracer)
     try:
         run()
     finally:
-        sys.settrace(None)
-        threading.settrace(None)
+        sys.settrace(outer)
+        threading.settrace(outer_threads)
     return {Path(f) for f in seen}
 
 
