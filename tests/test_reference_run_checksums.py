@@ -67,8 +67,7 @@ def test_an_object_s_checksum_is_the_crc_of_its_canonical_protocol_4_pickle(valu
     "value", [None, 7, "s", [1, "a"], (2, {3}), {"k": frozenset({1, 2})}, {4, 5}], ids=repr
 )
 def test_worked_examples_of_the_checksum_definition(value: Any) -> None:
-    """Plain calls on the test's own thread (the mutation runner traces only that thread, and
-    not inside hypothesis), each against the definition."""
+    """Worked examples of every kind of value the definition names, each against it."""
     assert value_checksum(value) == spec_checksum(value)
 
 
