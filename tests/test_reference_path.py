@@ -5,11 +5,8 @@ from __future__ import annotations
 import ast
 import os
 import re
-import sys
 import tempfile
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -17,13 +14,7 @@ import torch
 import refdcp
 import refdcp.reference
 from refdcp.comm import FakeWorld, SingleRank
-from refdcp.tools.learner_path import (
-    MAX_CODE_LINES,
-    MAX_MODULES,
-    code_lines,
-    learner_path,
-    traced_files,
-)
+from refdcp.tools.learner_path import MAX_CODE_LINES, MAX_MODULES, code_lines, learner_path
 
 REFERENCE = Path(refdcp.reference.__file__).parent
 SPEC_ID = re.compile(r"\b[A-Z]+-\d+\b")
@@ -117,23 +108,3 @@ def test_a_failed_reference_write_removes_what_it_wrote() -> None:
         assert info.value.committed is False
         assert os.listdir(path) == []
 
-
-@pytest.mark.spec("REF-5")
-def test_measuring_the_learner_path_gives_back_the_callers_tracer() -> None:
-    """``traced_files`` traces a run of its own and then restores the tracer it found (a
-    debugger's, coverage's, the mutation baseline's) on this thread and for new threads."""
-    seen: list[str] = []
-
-    def outer(frame: Any, event: str, arg: Any) -> None:
-        seen.append(frame.f_code.co_name)
-
-    before = sys.gettrace(), threading.gettrace()
-    threading.settrace(outer)
-    sys.settrace(outer)
-    try:
-        traced_files(lambda: None, Path(refdcp.__file__).parent)
-        now = sys.gettrace(), threading.gettrace()
-    finally:
-        sys.settrace(before[0])
-        threading.settrace(before[1])
-    assert now == (outer, outer)
