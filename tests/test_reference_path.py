@@ -107,4 +107,3 @@ def test_a_failed_reference_write_removes_what_it_wrote() -> None:
         assert info.value.step == "write"
         assert info.value.committed is False
         assert os.listdir(path) == []
-
