@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import os
 import re
 import tempfile
@@ -94,8 +95,16 @@ def test_reference_saves_keep_old_generations_and_refdcp_reclaims_them() -> None
 @pytest.mark.spec("REF-8", "STORE-31")
 def test_a_failed_reference_write_removes_what_it_wrote() -> None:
     class Boom:
+        """Pickles as an empty OrderedDict once (the refusal check at planning, SAVE-12),
+        then fails: the write's own pickle."""
+
+        calls = 0
+
         def __reduce__(self) -> tuple[object, ...]:
-            raise RuntimeError("cannot pickle")
+            Boom.calls += 1
+            if Boom.calls > 1:
+                raise RuntimeError("cannot pickle")
+            return (collections.OrderedDict, ())
 
     with tempfile.TemporaryDirectory() as path:
         with pytest.raises(refdcp.CheckpointError) as info:

@@ -1,7 +1,8 @@
 """The save planner, written to be read: torch's ``SavePlanner`` in five short steps.
 
 1. ``set_up_planner``: flatten the state dict to FQNs (FLAT-1..6).
-2. ``create_local_plan`` (every rank): one write item per chunk this rank holds
+2. ``create_local_plan`` (every rank): refuse every value a default load could never read
+   back (SAVE-12), then one write item per chunk this rank holds
    (PLAN-1, PLAN-2), each item's value checksum (DEDUP-13) and the structure
    record (FLAT-6) in ``planner_data``.
 3. ``create_global_plan`` (coordinator): the dedup rule (:mod:`.dedup`), then the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import crc32c
@@ -37,13 +39,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.tensor import DTensor
 
 from refdcp.planning import PlanValidationError
+from refdcp.planning.errors import UnloadableValueError
 from refdcp.planning.flatten import RESERVED_KEY, encode_structure, flatten_state_dict
+from refdcp.storage.metadata.safe_globals import load_weights_only
 
 from .dedup import item_key, reference_dedup
 from .format import plain_values
 from .metadata import build_metadata
 
-__all__ = ["ReferenceSavePlanner", "chunk_of", "value_checksum", "write_items"]
+__all__ = ["ReferenceSavePlanner", "chunk_of", "unloadable", "value_checksum", "write_items"]
 
 
 class ReferenceSavePlanner(SavePlanner):
@@ -55,8 +59,10 @@ class ReferenceSavePlanner(SavePlanner):
         check_replicas: bool = True,
         bytes_on_coordinator: bool = True,
         dedup_save_to_lowest_rank: bool = False,
+        safe_globals: Sequence[Any] = (),
     ) -> None:
         self.check_replicas = check_replicas
+        self.safe_globals = list(safe_globals)
         self.bytes_on_coordinator = bytes_on_coordinator
         self.lowest_rank = dedup_save_to_lowest_rank
         self.values: dict[str, Any] = {}
@@ -75,6 +81,9 @@ class ReferenceSavePlanner(SavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         """This rank's items, their checksums and its structure record (PLAN-1, DEDUP-13, FLAT-6)."""
+        problems = unloadable(self.values, self.safe_globals)
+        if problems:
+            raise UnloadableValueError(problems)
         items = [i for fqn, value in self.values.items() for i in write_items(fqn, value)]
         planned = {i.index.fqn for i in items}
         record: dict[str, Any] = encode_structure(self.flat)
@@ -145,6 +154,49 @@ def _merged(all_plans: list[SavePlan]) -> dict[str, Any]:
         empties += [e for e in record["empties"] if e not in empties]
     merged[RESERVED_KEY] = {"version": 1, "rich": rich, "empties": empties}
     return merged
+
+
+def unloadable(values: dict[str, Any], safe_globals: Sequence[Any] = ()) -> list[str]:
+    """One line per value a save must refuse, naming its key, type and cause (SAVE-12): a tensor
+    with no values (meta) or not dense (sparse), or an object that cannot be pickled or whose
+    pickle a default load (weights_only, the allow-list plus ``safe_globals``) cannot read."""
+    problems = []
+    for fqn, value in values.items():
+        why = _why_unloadable(value, safe_globals)
+        if why is not None:
+            problems.append(f"key {fqn!r}, type {type(value).__qualname__}: {why}")
+    return problems
+
+
+def _why_unloadable(value: Any, safe_globals: Sequence[Any]) -> str | None:
+    if isinstance(value, (DTensor, ShardedTensor, torch.Tensor)):
+        local = (
+            [s.tensor for s in value.local_shards()]
+            if isinstance(value, ShardedTensor)
+            else [value.to_local() if isinstance(value, DTensor) else value]
+        )
+        for t in local:
+            if t.is_meta:
+                return "a meta tensor has no values; materialise it before saving"
+            if t.layout != torch.strided:
+                return f"a {t.layout} tensor is not dense; save t.to_dense()"
+        return None
+    if hasattr(value, "__create_write_items__"):
+        return None  # saved through its own write items (PLAN-3), never pickled
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as exc:
+        return f"cannot be pickled ({type(exc).__name__}: {exc}); convert it to plain data"
+    buf.seek(0)
+    try:
+        load_weights_only(buf, list(safe_globals))
+    except Exception as exc:
+        return (
+            f"a default load (weights_only=True) cannot read it back ({type(exc).__name__}); "
+            "allow its type with safe_globals=[...] at save and at load, or convert it"
+        )
+    return None
 
 
 def write_items(fqn: str, value: Any) -> list[WriteItem]:
