@@ -197,6 +197,7 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
     # (b) rank 1 is interrupted while it waits inside a collective: it announces its
     # departure, and rank 0 (arriving later) aborts at once, naming it (COMM-62)
     comm = TorchDistComm(group_b, timeout=LONG)
+    left = Path(path + ".rank1-interrupted")
     if rank == 1:
         threading.Timer(0.5, _thread.interrupt_main).start()
         try:
@@ -204,8 +205,13 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
             out["gather"] = "returned"
         except KeyboardInterrupt:
             out["gather"] = "KeyboardInterrupt"
+        left.touch()
     else:
-        time.sleep(2.0)
+        # arrive only once rank 1 has been interrupted inside the gather, however slowly a
+        # loaded machine runs either rank (a fixed sleep let rank 0 arrive first)
+        deadline = time.monotonic() + 30.0
+        while not left.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         try:
             comm.gather("x")
             out["gather"] = "returned"
