@@ -8,14 +8,11 @@ reader survivors).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import io
 import os
 import pickle
 import struct
-import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +26,12 @@ from refdcp.storage import CorruptionError, FileSystemReader, FileSystemWriter
 from refdcp.storage.format import layout
 from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR, INPLACE_MIN_BYTES
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
+from tests.test_mut_storage_fs_reader_checks import _python_peak
 from tests.test_stream_transforms import Xor, _registry
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled", "ignore:.*quantiz.*:UserWarning"
 )
-
-
-@contextlib.contextmanager
-def _python_peak() -> Iterator[list[int]]:
-    """The peak of Python allocations inside the block, above what was allocated before it
-    (traced by ``tracemalloc``; an outer tracing session is left running)."""
-    started = not tracemalloc.is_tracing()
-    if started:
-        tracemalloc.start()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    out = [0]
-    try:
-        yield out
-    finally:
-        out[0] = tracemalloc.get_traced_memory()[1] - base
-        if started:
-            tracemalloc.stop()
 
 
 def _records(root: Path) -> dict[str, Any]:
