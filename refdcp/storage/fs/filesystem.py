@@ -902,6 +902,8 @@ class FileSystemReader(_AtPath, StorageReader):
         if req.type == LoadItemType.BYTE_IO or self._chunks is None:
             return None
         chunk = self._chunks.lookup(req.storage_index)
+        if chunk is not None:
+            _check_box(req, chunk[1], relative_path)
         data_offset = getattr(info, DATA_OFFSET_ATTR, None)
         if chunk is None or not isinstance(data_offset, int):
             return None
@@ -1087,6 +1089,20 @@ def _stamp(data: bytes) -> layout.MetadataStamp:
     if has_checksum_trailer(data):
         return layout.MetadataStamp(len(data), int(data[-9:-1], 16))
     return layout.MetadataStamp(len(data), crc32c(data))
+
+
+def _check_box(req: ReadItem, sizes: tuple[int, ...], relative_path: str) -> None:
+    """Refuse a read whose box is not inside the saved chunk it names (STORE-62)."""
+    offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+    if len(offsets) == len(lengths) == len(sizes) and all(
+        o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(offsets, lengths, sizes)
+    ):
+        return
+    raise RefdcpError(
+        f"{req.storage_index.fqn}: a read of offsets {list(offsets)} and lengths "
+        f"{list(lengths)} is not inside its saved chunk of shape {list(sizes)} "
+        f"(data file {relative_path})"
+    )
 
 
 def _exists(name: str | Path, dir_fd: int | None) -> bool:
