@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
@@ -35,14 +35,14 @@ def _write(root: Path, saved: torch.Tensor, writer: str) -> None:
 
 @st.composite
 def _cases(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """A chunk shape and a box: each dimension's box inside it, or (in one dimension at least,
-    sometimes) starting inside and ending past its edge."""
+    """A chunk shape and a box: each dimension's box inside it (possibly empty), or (in one
+    dimension at least, sometimes) starting inside and ending past its edge."""
     shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
     offsets, lengths = [], []
     for size in shape:
         o = draw(st.integers(0, size - 1))
         offsets.append(o)
-        lengths.append(draw(st.integers(1, size - o)))
+        lengths.append(draw(st.integers(0, size - o)))  # an empty box inside is a box too
     if draw(st.booleans()):
         dim = draw(st.integers(0, len(shape) - 1))
         lengths[dim] = shape[dim] - offsets[dim] + draw(st.integers(1, 2))
@@ -53,6 +53,8 @@ def _cases(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int
 
 @pytest.mark.spec("STORE-62", "STORE-47", "STORE-16")
 @settings(max_examples=40, deadline=None)
+@example(case=((3, 2), (1, 0), (0, 2)), writer="refdcp", verify=None, large=False)  # empty box
+@example(case=((6, 5), (0, 1), (6, 5)), writer="refdcp", verify=None, large=False)  # shifted
 @given(
     case=_cases(),
     writer=st.sampled_from(["refdcp", "torch"]),

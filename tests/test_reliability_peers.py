@@ -168,6 +168,7 @@ def test_missing_rank_is_named_on_timeout(tmp_path: Path) -> None:
 
 def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
     import _thread
+    import signal
     import time
 
     import torch.distributed as dist
@@ -199,6 +200,9 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
     comm = TorchDistComm(group_b, timeout=LONG)
     left = Path(path + ".rank1-interrupted")
     if rank == 1:
+        # Ctrl-C raises only where Python's SIGINT handler is installed (a process started
+        # with SIGINT ignored would let the gather wait for rank 0 and return)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.5, _thread.interrupt_main).start()
         try:
             comm.gather("x")
@@ -212,6 +216,7 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
         deadline = time.monotonic() + 30.0
         while not left.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        out["rank 1 left first"] = left.exists()
         try:
             comm.gather("x")
             out["gather"] = "returned"
@@ -227,7 +232,7 @@ def test_gloo_peer_learns_of_interrupt_at_once(tmp_path: Path) -> None:
     out = run_gloo(2, _gloo_interrupts, str(tmp_path / "c"), timeout=60.0)
     assert out[1]["save"] == "KeyboardInterrupt"
     assert out[0]["save"] == {1: "KeyboardInterrupt"}
-    assert out[1]["gather"] == "KeyboardInterrupt"
+    assert out[1]["gather"] == "KeyboardInterrupt", out
     kind, ranks, text = out[0]["gather"]
     assert kind == "CommAborted" and ranks == (1,) and "rank 1 left" in text
     kind, ranks, text = out[0]["timeout"]
