@@ -168,7 +168,6 @@ def test_missing_rank_is_named_on_timeout(tmp_path: Path) -> None:
 
 def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
     import _thread
-    import signal
     import time
 
     import torch.distributed as dist
@@ -200,9 +199,6 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
     comm = TorchDistComm(group_b, timeout=LONG)
     left = Path(path + ".rank1-interrupted")
     if rank == 1:
-        # Ctrl-C raises only where Python's SIGINT handler is installed (a process started
-        # with SIGINT ignored would let the gather wait for rank 0 and return)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.5, _thread.interrupt_main).start()
         try:
             comm.gather("x")
@@ -237,3 +233,24 @@ def test_gloo_peer_learns_of_interrupt_at_once(tmp_path: Path) -> None:
     assert kind == "CommAborted" and ranks == (1,) and "rank 1 left" in text
     kind, ranks, text = out[0]["timeout"]
     assert kind == "CommTimeout" and ranks == (1,) and "rank(s) [1] did not enter it" in text
+
+
+def _sigint_handler(rank: int, world_size: int) -> str:
+    import signal
+
+    return repr(signal.getsignal(signal.SIGINT))
+
+
+@pytest.mark.dist
+@pytest.mark.spec("COMM-20", "ERR-10")
+def test_a_spawned_rank_takes_ctrl_c_even_when_its_parent_ignored_it() -> None:
+    """A rank started while the caller ignored SIGINT still raises KeyboardInterrupt on Ctrl-C:
+    without it, a fork server started at such a moment made every later rank ignore Ctrl-C."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        out = run_gloo(2, _sigint_handler, timeout=60.0, start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert out == [repr(signal.default_int_handler)] * 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import signal
 import sys
 import time
 import traceback
@@ -69,6 +70,10 @@ def _child(
     raised before this rank joined the gate, so before any rank called ``fn``.
     """
     gated = False
+    # A fork server started while its parent ignored SIGINT hands that on to every child,
+    # where Ctrl-C (or _thread.interrupt_main) would then do nothing: a rank takes Python's
+    # usual KeyboardInterrupt handler, as a process started from a shell has.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # A fork server keeps the sys.path, environment and working directory of
     # its own start; give the child the caller's as they are now.
     sys_path, environ, cwd = context
