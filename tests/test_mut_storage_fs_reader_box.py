@@ -1,8 +1,8 @@
 """A read item's box must lie inside the saved chunk it names (STORE-62): for generated chunk
 shapes and boxes, inside or crossing an edge in any dimension, refdcp's reader delivers
 exactly the box's elements or refuses the read naming the key, the box and the data file,
-leaving the destination as it was; on checkpoints written by refdcp and by torch, small and
-large chunks, every verify mode."""
+leaving the destination as it was; on checkpoints written by refdcp (plain and with a zstd
+stream transform) and by torch, small and large chunks, every verify mode."""
 
 from __future__ import annotations
 
@@ -19,14 +19,20 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+import refdcp
 from refdcp.errors import RefdcpError
-from refdcp.storage import FileSystemReader
+from refdcp.storage import FileSystemReader, FileSystemWriter
 from tests.test_mut_storage_fs_reader_checks import _Fixed, _save
 
 
 def _write(root: Path, saved: torch.Tensor, writer: str) -> None:
     if writer == "refdcp":
         _save(root, {"w": saved})
+    elif writer == "refdcp, zstd":  # the transformed read path (FMT-24)
+        from refdcp.storage.fs import transforms
+
+        fs_writer = FileSystemWriter(root, sync_files=False, _extensions=[transforms.zstd()])
+        refdcp.save({"w": saved}, storage_writer=fs_writer, no_dist=True)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -55,9 +61,10 @@ def _cases(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int
 @settings(max_examples=40, deadline=None)
 @example(case=((3, 2), (1, 0), (0, 2)), writer="refdcp", verify=None, large=False)  # empty box
 @example(case=((6, 5), (0, 1), (6, 5)), writer="refdcp", verify=None, large=False)  # shifted
+@example(case=((6, 5), (1, 0), (6, 5)), writer="refdcp, zstd", verify=None, large=False)
 @given(
     case=_cases(),
-    writer=st.sampled_from(["refdcp", "torch"]),
+    writer=st.sampled_from(["refdcp", "refdcp, zstd", "torch"]),
     verify=st.sampled_from([None, True, False]),
     large=st.booleans(),
 )

@@ -877,7 +877,7 @@ class FileSystemReader(_AtPath, StorageReader):
                 for _, req, info in reqs:
                     chunk = None
                     if req.type != LoadItemType.BYTE_IO and self._chunks is not None:
-                        chunk = self._chunks.lookup(req.storage_index)
+                        chunk = _lookup_checked(self._chunks, req, relative_path)
                     checked = self.verify or (
                         self.verify_available and checksum_of(info) is not None
                     )
@@ -1126,3 +1126,11 @@ def _read_exact(fd: int, view: memoryview, offset: int, fqn: str, file: str) -> 
     got = _pread_into(fd, view, offset)
     if got != len(view):
         raise CorruptionError("data file truncated", fqn=fqn, file=file, offset=offset + got)
+
+
+def _lookup_checked(chunks: Any, req: ReadItem, relative_path: str) -> tuple[Any, ...] | None:
+    """The saved chunk a tensor read names, its box checked inside it (STORE-62)."""
+    chunk: tuple[Any, ...] | None = chunks.lookup(req.storage_index)
+    if chunk is not None:
+        _check_box(req, chunk[1], relative_path)
+    return chunk
