@@ -901,9 +901,7 @@ class FileSystemReader(_AtPath, StorageReader):
         small refdcp-framed whole-chunk read (STORE-47), else None."""
         if req.type == LoadItemType.BYTE_IO or self._chunks is None:
             return None
-        chunk = self._chunks.lookup(req.storage_index)
-        if chunk is not None:
-            _check_box(req, chunk[1], relative_path)
+        chunk = _lookup_checked(self._chunks, req, relative_path)
         data_offset = getattr(info, DATA_OFFSET_ATTR, None)
         if chunk is None or not isinstance(data_offset, int):
             return None
