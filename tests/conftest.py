@@ -1,11 +1,31 @@
-"""Shared test configuration: hypothesis profiles and the spec marker."""
+"""Shared test configuration: hypothesis profiles, the spec marker, and ``impl``.
+
+``impl`` is the implementation under test: a behavioural test that takes it runs
+once on ``refdcp`` (the fast default path) and once on ``refdcp.reference`` (the
+readable twin), as CPython runs one decimal suite over ``_decimal`` and
+``_pydecimal`` (REF-6). Both modules offer the same user API (``save``, ``load``,
+``async_save``, ``LocalShards``, the storage classes, planners and stagers).
+"""
 
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+import refdcp
+import refdcp.reference
+
+#: The two implementations every behavioural test runs on (REF-6).
+IMPLEMENTATIONS: dict[str, ModuleType] = {"refdcp": refdcp, "reference": refdcp.reference}
+
+
+@pytest.fixture(scope="session", params=sorted(IMPLEMENTATIONS))
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    """``refdcp`` or ``refdcp.reference``: the test runs once on each (REF-6)."""
+    return IMPLEMENTATIONS[request.param]
 
 settings.register_profile(
     "ci",
