@@ -242,3 +242,31 @@ def test_overwrite_false_raises_with_torchs_words(tmp_path: Path) -> None:
     refdcp.save({"a": torch.ones(2)}, mem.writer("x"))
     with pytest.raises(CheckpointError, match="Checkpoint already exists"):
         refdcp.save({"a": torch.ones(2)}, mem.writer("x", overwrite=False))
+
+
+# -- ASYNC-1: the async result is torch's ------------------------------------------------------
+
+
+@pytest.mark.spec("ASYNC-1")
+def test_the_async_handle_is_a_future_and_torchs_async_save_response(tmp_path: Path) -> None:
+    import concurrent.futures as cf
+
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    handles = [
+        refdcp.async_save({"a": torch.ones(3)}, checkpoint_id=str(tmp_path / "plain")),
+        refdcp.async_save(
+            {"a": torch.ones(3)}, checkpoint_id=str(tmp_path / "ds"), async_stager=stager
+        ),
+    ]
+    done, not_done = cf.wait(handles, timeout=60)
+    assert done == set(handles) and not not_done
+    assert set(cf.as_completed(handles)) == set(handles)
+    for h in handles:
+        assert isinstance(h, cf.Future) and isinstance(h, AsyncSaveResponse)
+        assert h.upload_completion is h and h.committed is h
+        assert h.staging_completion is h.staged and h.staging_completion.result() is None
+        assert isinstance(h.result(), Metadata) and h.upload_completion.result() is h.result()
+    stager.close()
