@@ -10,7 +10,7 @@ MUTATION_SAMPLE ?= 200
 MUTATION_SEED   ?= 1
 MUTATION_JOBS   ?= 1
 
-.PHONY: setup demo test test-thorough test-torch test-gpu gpu-wheels mutation typecheck lint spec-report bench conformance conformance-s3 conformance-matrix clean
+.PHONY: model-check setup demo test test-thorough test-torch test-gpu gpu-wheels mutation typecheck lint spec-report bench conformance conformance-s3 conformance-matrix clean
 
 setup:
 	$(PY) -m venv $(VENV)
@@ -145,3 +145,8 @@ conformance-matrix:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# the protocol tables model-checked (MODEL-1..6), then every single-row mutant judged (MODEL-7)
+model-check: $(VENV)/.setup-done
+	$(BIN)/python -m refdcp.tools.model_check --worlds 1,2,3 --faults 2
+	$(BIN)/python -m refdcp.tools.model_check --mutants

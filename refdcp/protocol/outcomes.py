@@ -160,12 +160,18 @@ def status_after_comm_error(
 ) -> bool | None:
     """What a rank may say about the commit when a collective failed (SAVE-15).
 
-    The coordinator knows whether its ``finish`` returned. A peer that has sent
+    The coordinator knows whether its ``finish`` returned; when it raised, the
+    status is what the writer declared (SAVE-16). A peer that has sent
     its results may have lost a coordinator that committed and then died: it
     says "unknown" unless the communicator names the coordinator as missing
     from the results gather; after the commit step it always says "unknown".
     """
     if state.committed or state.coordinator:
+        failure = state.failure
+        if not state.committed and failure is not None and failure.step == COMMIT_STEP:
+            # finish_failed marks every exception of finish: unmarked, finish was never called
+            status = declared(failure.exception)
+            return False if status is MISSING else None if status is None else bool(status)
         return state.committed
     before, after = pending_phases(table)
     if state.phase in after:

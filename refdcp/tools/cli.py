@@ -144,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
         "default 5GB)",
     )
 
+    sub.add_parser(
+        "model-check",
+        help="explore the protocol tables with faults (options: refdcp model-check -h)",
+        add_help=False,
+    )
+
     dm = sub.add_parser(
         "demo", help="the main job on embedded defaults: save, reshard, verify, inspect, conform"
     )
@@ -155,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes are documented in spec/tooling.md (TOOL-12)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["model-check"]:  # its own options (refdcp/tools/model_check.py)
+        from refdcp.tools.model_check import main as model_check_main
+
+        return model_check_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)
