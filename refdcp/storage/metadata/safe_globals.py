@@ -84,8 +84,9 @@ def _numpy_globals() -> list[Any]:
 def default_safe_globals() -> list[Any]:
     """Every global that non-tensor values may reference when loaded by default (LOAD-7).
 
-    The one place the default allow-list lives: the load planner passes it to
-    ``torch.load(weights_only=True)``; save-time loadability checks use it too.
+    The fast path's one place for the default allow-list: the load planner passes it to
+    ``torch.load(weights_only=True)``; save-time loadability checks use it too. The
+    reference path states it again, readably, and is tested equal (REF-21).
     Entries are classes/functions or ``(object, "module.name")`` pairs, as
     ``torch.serialization.safe_globals`` takes them.
     """
