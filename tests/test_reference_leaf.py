@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import default_planner as tp
 from torch.distributed.checkpoint.metadata import (
@@ -85,6 +85,17 @@ nested = st.recursive(
 )
 state_dicts = st.dictionaries(keys, nested, max_size=4)
 
+#: every rule of FLAT-1..4 at least once, whatever the profile draws
+RULES = {
+    "tuple": (1, ({"a": torch.ones(1)}, "x"), [2, (torch.ones(2),)]),
+    "plain_tuple": (1, (2, {"b": 3}), [4]),
+    "list": [1, [2, (3, torch.zeros(1))], {"c": 5}],
+    "plain_list": [1, [2, (3,)], "s"],
+    "empty": {"d": {}, "e": [], "f": ()},
+    1: {None: [{}, {}], 2.5: torch.ones(1)},
+    b"k": {frozenset({1}): "odd", True: torch.ones(1)},
+}
+
 
 def _fast(sd: Any) -> Any:
     flat = fast_flatten.flatten_state_dict(sd)
@@ -104,6 +115,8 @@ def _outcome(fn: Any, sd: Any) -> Any:
 
 
 @pytest.mark.spec("REF-20", "FLAT-1", "FLAT-5", "FLAT-6")
+@example(RULES)
+@example({"a.b": 1, "a": {"b": 2}})
 @given(st.one_of(state_dicts, nested))
 def test_reference_flattening_equals_the_fast_one(sd: Any) -> None:
     fast, ref = _outcome(_fast, sd), _outcome(_ref, sd)
@@ -142,6 +155,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.spec("REF-20", "FLAT-1", "FLAT-4")
+@example(RULES, True)
+@example(RULES, False)
 @given(state_dicts, st.booleans())
 def test_set_by_rich_path_equals_the_fast_one(sd: dict[Any, Any], from_empty: bool) -> None:
     try:
@@ -184,7 +199,36 @@ saved_values = st.one_of(
 fqns = st.sampled_from(["a", "b", "c.d", "e"])
 
 
+def _tsm(dtype: torch.dtype, size: tuple[int, ...]) -> TensorStorageMetadata:
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size), [])
+
+
+#: a destination and metadata with every kind of problem (POLICY-2..5) and a fitting key
+_EVERY_PROBLEM = (
+    {
+        "a": torch.zeros(2, dtype=torch.float16),  # dtype differs
+        "b": 3,  # an object where a tensor was saved
+        "c.d": torch.zeros(1),  # a tensor where an object was saved
+        "e": RefShards((2, 3), [], dtype=torch.float32),  # shape differs
+        "f": torch.zeros(1),  # missing from the checkpoint
+        "g": torch.zeros(2, 2),  # fits
+        "h": "obj",  # fits
+    },
+    {
+        "a": _tsm(torch.float32, (2,)),
+        "b": _tsm(torch.float32, (1,)),
+        "c.d": BytesStorageMetadata(),
+        "e": _tsm(torch.float32, (3, 2)),
+        "g": _tsm(torch.float32, (2, 2)),
+        "h": BytesStorageMetadata(),
+        "u": BytesStorageMetadata(),  # unexpected
+    },
+)
+
+
 @pytest.mark.spec("REF-21", "POLICY-1", "POLICY-2", "POLICY-3", "POLICY-4", "POLICY-5")
+@example(*_EVERY_PROBLEM, True, True, False)
+@example(*_EVERY_PROBLEM, False, False, True)
 @given(
     st.dictionaries(fqns, dest_values, max_size=4),
     st.dictionaries(fqns, saved_values, max_size=4),
@@ -328,6 +372,16 @@ def _comparable(value: Any) -> Any:
 def test_reference_unpickling_accepts_and_refuses_as_the_fast_path(
     value: Any, extra: list[Any]
 ) -> None:
+    _unpickle_alike(value, extra)
+
+
+@pytest.mark.spec("REF-21", "LOAD-7", "LOAD-9")
+@pytest.mark.parametrize("value", VALUES, ids=lambda v: type(v).__name__)
+def test_every_sample_value_unpickles_alike(value: Any) -> None:
+    _unpickle_alike(value, [])
+
+
+def _unpickle_alike(value: Any, extra: list[Any]) -> None:
     buf = io.BytesIO()
     torch.save(value, buf)
     fast, ref = _fast_unpickle(buf.getvalue(), extra), _ref_unpickle(buf.getvalue(), extra)
@@ -395,6 +449,14 @@ def _overlapping(message: str, spec: list[Any]) -> bool:
 
 
 @pytest.mark.spec("REF-22", "PLAN-3", "PLAN-4")
+@example((4, 4), [([0, 0], (2, 2)), ([1, 1], (2, 2))], None)  # overlap
+@example((4, 4), [([0, 0], (0, 2)), ([0, 0], (2, 2)), ([2, 0], (2, 4))], None)  # empty + full
+@example((4, 4), [([3, 0], (2, 2))], None)  # out of bounds
+@example((4, 4), [([-1, 0], (1, 1))], torch.float32)  # negative offset
+@example((4, 4), [([0, 0], (1, 1))] * 4, None)  # mixed dtypes (the 4th is float16)
+@example((4, 4), [([0, 0], (1, 1))], torch.float16)  # dtype= differs
+@example((4, 4), [], None)  # no chunks, no dtype
+@example((0, 4), [], torch.float16)  # no elements (PLAN-13)
 @given(
     st.tuples(st.integers(0, 4), st.integers(0, 4)),
     boxes,
