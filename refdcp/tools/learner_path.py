@@ -75,7 +75,7 @@ def traced_files(run: Callable[[], Any], under: Path) -> set[Path]:
 
 
 def _model(rank: int, world: int, zeros: bool, api: Any) -> dict[str, Any]:
-    LocalShards = api.LocalShards  # the implementation's own (REF-12)
+    LocalShards = api.LocalShards  # the implementation's own (REF-22)
 
     def fill(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(t) if zeros else t
