@@ -87,7 +87,7 @@ state_dicts = st.dictionaries(keys, nested, max_size=4)
 
 #: every rule of FLAT-1..4 at least once, whatever the profile draws
 RULES = {
-    "tuple": (1, ({"a": torch.ones(1)}, "x"), [2, (torch.ones(2),)]),
+    "tuple": (1, ({"a": torch.ones(1), "b": 2}, "x"), [2, (torch.ones(2), 3)]),
     "plain_tuple": (1, (2, {"b": 3}), [4]),
     "list": [1, [2, (3, torch.zeros(1))], {"c": 5}],
     "plain_list": [1, [2, (3,)], "s"],
@@ -501,6 +501,27 @@ def test_reference_local_shards_equal_the_fast_ones(
     assert type(empty) is RefShards and empty.chunks == [] and empty.dtype == ref.dtype
     with pytest.raises(TypeError, match="checkpointing container"):
         ref.clone()
+
+
+@pytest.mark.spec("REF-22", "PLAN-4")
+def test_chunks_on_two_devices_are_refused_alike() -> None:
+    chunks = [((0,), torch.ones(1)), ((1,), torch.empty(1, device="meta"))]
+    fast, ref = (
+        _construct(FastShards, (2,), chunks, None),
+        _construct(RefShards, (2,), chunks, None),
+    )
+    assert isinstance(fast, ValueError) and "devices" in str(fast)
+    assert type(ref) is type(fast) and str(ref) == str(fast)
+    on_meta = [((0,), torch.empty(1, device="meta"))]
+    fast, ref = (
+        _construct(FastShards, (2,), on_meta, None),
+        _construct(RefShards, (2,), on_meta, None),
+    )
+    assert (
+        (ref.device, ref.dtype)
+        == (fast.device, fast.dtype)
+        == (torch.device("meta"), torch.float32)
+    )
 
 
 def _table(cls: Any, rank: int, world: int, zeros: bool) -> Any:
