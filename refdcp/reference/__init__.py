@@ -15,12 +15,14 @@ Read in this order: :mod:`.api` (save/load), :mod:`.save_planner` with
 from refdcp.reference.api import load, save
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.reference.load_planner import ReferenceLoadPlanner
+from refdcp.reference.local_shards import LocalShards
 from refdcp.reference.metadata import reference_metadata_problems
 from refdcp.reference.save_planner import ReferenceSavePlanner
 from refdcp.reference.storage import ReferenceReader, ReferenceWriter
 
 __all__ = [
     "Decision",
+    "LocalShards",
     "ReferenceLoadPlanner",
     "ReferenceReader",
     "ReferenceSavePlanner",

@@ -74,8 +74,8 @@ def traced_files(run: Callable[[], Any], under: Path) -> set[Path]:
     return {Path(f) for f in seen}
 
 
-def _model(rank: int, world: int, zeros: bool) -> dict[str, Any]:
-    from refdcp.planning import LocalShards
+def _model(rank: int, world: int, zeros: bool, api: Any) -> dict[str, Any]:
+    LocalShards = api.LocalShards  # the implementation's own (REF-22)
 
     def fill(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(t) if zeros else t
@@ -113,10 +113,10 @@ def learner_path(impl: str = "reference") -> dict[Path, int]:
             )
 
         def saving() -> list[dict[str, Any]]:
-            return [_model(r, 4, False) for r in range(4)]
+            return [_model(r, 4, False, api) for r in range(4)]
 
         def loading() -> list[dict[str, Any]]:
-            return [_model(r, 3, True) for r in range(3)]
+            return [_model(r, 3, True, api) for r in range(3)]
 
         save(saving())()  # once untraced: imports and caches are not the path
         load(loading())()
