@@ -13,13 +13,21 @@ Read in this order: :mod:`.api` (save/load), :mod:`.save_planner` with
 """
 
 from refdcp.reference.api import load, save
+from refdcp.reference.async_save import AsyncSaveHandle, InFlightLimiter, async_save
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.reference.load_planner import ReferenceLoadPlanner
 from refdcp.reference.metadata import reference_metadata_problems
 from refdcp.reference.save_planner import ReferenceSavePlanner
+from refdcp.reference.staging import CpuStager, ReferenceStager, release_staging_buffers
 from refdcp.reference.storage import ReferenceReader, ReferenceWriter
 
 __all__ = [
+    "AsyncSaveHandle",
+    "CpuStager",
+    "InFlightLimiter",
+    "ReferenceStager",
+    "async_save",
+    "release_staging_buffers",
     "Decision",
     "ReferenceLoadPlanner",
     "ReferenceReader",
