@@ -264,6 +264,8 @@ def test_background_copy_failure_reaches_the_future() -> None:
 
 def _dtensor_rank(rank: int, world: int, root: str) -> list[Any]:
     """Both stagers and both async_saves on one 2-rank gloo world (one spawn for the two paths)."""
+    from torch.distributed._shard.sharded_tensor import Shard as TShard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardMetadata
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -288,6 +290,16 @@ def _dtensor_rank(rank: int, world: int, root: str) -> list[Any]:
             torch.equal(w.to_local(), src["w"].to_local()),
             w.to_local().data_ptr() != src["w"].to_local().data_ptr(),
         ]
+        # a ShardedTensor is deep-copied: torch's own deepcopy copies its local shards
+        local = torch.full((3, 4), float(rank))
+        metas = [ShardMetadata([r * 3, 0], [3, 4], f"rank:{r}/cpu") for r in range(world)]
+        sharded = ShardedTensor._init_from_local_shards([TShard(local, metas[rank])], (6, 4))
+        staged = impl.CpuStager().stage({"st": sharded})["st"]
+        local.add_(10)  # after staging
+        got = staged.local_shards()[0].tensor
+        checks.append(
+            isinstance(staged, ShardedTensor) and torch.equal(got, torch.full((3, 4), float(rank)))
+        )
         if impl is refdcp:
             ptr = w.to_local().data_ptr()
             stager.release(snap)
@@ -316,7 +328,7 @@ def test_dtensor_stages_its_local_shard_into_the_pool(tmp_path: Path) -> None:
     from refdcp.testing.spawn import run_gloo
 
     results = run_gloo(2, _dtensor_rank, str(tmp_path / "ck"), timeout=150.0)
-    assert results == [[True] * 13, [True] * 13]
+    assert results == [[True] * 15, [True] * 15]
 
 
 @pytest.mark.spec("REF-10")

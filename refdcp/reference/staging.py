@@ -10,8 +10,9 @@ Staging is one walk over the state dict (STAGE-6..STAGE-10, STAGE-17, STAGE-19):
 * a ``LocalShards`` is rebuilt around copies of its chunk tensors (STAGE-17),
   and a DTensor around a copy of its local shard, with the same mesh,
   placements and global shape (STAGE-19);
-* any other value is deep-copied (STAGE-9); one that cannot be copied fails
-  with ``UnloadableValueError`` naming its key path, type and cause (ASYNC-17).
+* any other value is deep-copied (STAGE-9), a ShardedTensor too (its own
+  deepcopy copies its local shards); one that cannot be copied fails with
+  ``UnloadableValueError`` naming its key path, type and cause (ASYNC-17).
 
 Every ``stage`` allocates a new copy: there is no buffer pool, so nothing is
 leased and nothing needs releasing (``refdcp``'s cached stager is the fast
