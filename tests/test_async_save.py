@@ -455,6 +455,30 @@ def test_failures_surface_and_the_previous_checkpoint_stays_loadable(
     assert _load(impl, tmp_path, {"w": w, "step": 0})["step"] == 4
 
 
+@pytest.mark.spec("STAGE-18", "ASYNC-2", "REF-11")
+def test_a_stager_that_copies_in_the_background(impl: ModuleType, tmp_path: Path) -> None:
+    """A stager returning a Future: ``staged`` follows it, a failed copy fails ``committed``."""
+    stager = CpuStager(background_copy=True)
+    src = {"w": torch.arange(1 << 14, dtype=torch.float32), "step": 5}
+    expected = src["w"].clone()
+    handle = impl.async_save(src, checkpoint_id=str(tmp_path / "ok"), no_dist=True, stager=stager)
+    assert handle.staged.result(timeout=60) is None
+    src["w"].mul_(-1)  # after staged: never reaches the checkpoint
+    handle.result(timeout=60)
+    out = _load(impl, tmp_path / "ok", {"w": expected, "step": 0})
+    assert torch.equal(out["w"], expected) and out["step"] == 5
+    bad = impl.async_save(
+        {"w": src["w"], "lock": threading.Lock()},
+        checkpoint_id=str(tmp_path / "bad"),
+        no_dist=True,
+        stager=stager,
+    )
+    assert isinstance(bad.staged.exception(timeout=60), UnloadableValueError)
+    assert isinstance(bad.exception(timeout=60), UnloadableValueError)
+    assert not (tmp_path / "bad" / ".metadata").exists()
+    stager.close()
+
+
 @pytest.mark.spec("ASYNC-16")
 def test_fresh_snapshot_is_freed_without_the_garbage_collector(
     impl: ModuleType, tmp_path: Path

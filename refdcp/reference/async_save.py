@@ -200,7 +200,7 @@ def _write(
     """The background thread: save the snapshot, then resolve ``committed`` (ASYNC-1, ASYNC-3, ASYNC-4)."""
     if earlier is not None:
         earlier.exception()  # wait for the save before this one on the channel (ASYNC-13)
-    metadata: Metadata | None = None
+    metadata: Any = None  # what save returned: the Metadata
     error: BaseException | None = None
     try:
         snapshot = box.pop()
@@ -217,7 +217,7 @@ def _write(
     if error is not None:
         handle.committed.set_exception(error)
     else:
-        handle.committed.set_result(metadata)  # type: ignore[arg-type]
+        handle.committed.set_result(metadata)
 
 
 def _mirror(done: Future[Any], staged: Future[None]) -> None:
