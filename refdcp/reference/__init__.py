@@ -10,6 +10,8 @@ faster; tests run the shared property suites against both and compare them
 Read in this order: :mod:`.api` (save/load), :mod:`.save_planner` with
 :mod:`.dedup` and :mod:`.metadata`, :mod:`.storage` with :mod:`.format`, then
 :mod:`.load_planner`.
+``async_save`` (:mod:`.async_save`) stages with :mod:`.staging` and runs
+``save`` on a background thread (REF-10, REF-11).
 """
 
 from refdcp.reference.api import load, save
