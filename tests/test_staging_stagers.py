@@ -342,9 +342,11 @@ def test_the_reference_stager_keeps_nothing() -> None:
     stager.close()
     assert torch.equal(stager.stage(src)["w"], src["w"])  # close freed nothing it needs
     assert refdcp.reference.release_staging_buffers() == 0
-    for option in ("pin_memory", "share_memory", "background_copy", "max_bytes"):
+    options = ("pin_memory", "share_memory", "max_buffer_sets", "max_bytes", "wait_timeout")
+    for option in (*options, "background_copy"):
+        CpuStager(**{option: 1})  # the fast stager's own options
         with pytest.raises(TypeError):
-            refdcp.reference.CpuStager(**{option: True})
+            refdcp.reference.CpuStager(**{option: 1})
 
 
 class _Uncopyable:
