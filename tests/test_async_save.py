@@ -98,8 +98,11 @@ def test_torchs_spellings_of_stager_and_executor(impl: ModuleType, tmp_path: Pat
 
 
 class _Counter(Stateful):
+    """A Stateful that cannot be deep-copied: only its state_dict() may be staged."""
+
     def __init__(self) -> None:
         self.n = torch.tensor([5])
+        self.lock = threading.Lock()
 
     def state_dict(self) -> dict[str, Any]:
         return {"n": self.n}
@@ -245,6 +248,140 @@ def test_one_save_in_flight_per_communicator_by_default(impl: ModuleType, tmp_pa
     first.result(timeout=60)
     t.join(60)
     assert started.is_set() and stager.calls == 1
+    # no comm: one save in flight in the whole process
+    gate.clear()
+    first = impl.async_save(
+        {"w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "p"), no_dist=True, save_fn=gated_save
+    )
+    later = _Recording()
+
+    def third() -> None:
+        impl.async_save(
+            {"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "q"), no_dist=True, stager=later
+        ).result(timeout=60)
+
+    t = threading.Thread(target=third)
+    t.start()
+    time.sleep(0.2)
+    assert later.calls == 0 and not first.done()  # the process's one slot is taken
+    gate.set()
+    first.result(timeout=60)
+    t.join(60)
+    assert later.calls == 1
+
+
+@pytest.mark.spec("ASYNC-5")
+def test_a_limiter_needs_a_slot(impl: ModuleType) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        _limiter(impl, max_in_flight=0)
+    assert _limiter(impl, max_in_flight=1).in_flight == 0
+
+
+@pytest.mark.spec("ASYNC-13")
+def test_saves_over_one_comm_run_in_call_order(impl: ModuleType, tmp_path: Path) -> None:
+    """Two saves in flight over one communicator: the second writes only after the first ended."""
+    gate = threading.Event()
+    events: list[str] = []
+
+    def recorded(name: str, wait: bool) -> Any:
+        def save_fn(sd: dict[str, Any], **kw: Any) -> Metadata:
+            events.append(f"{name} starts")
+            if wait:
+                assert gate.wait(30)
+            result: Metadata = impl.save(sd, **kw)
+            events.append(f"{name} ends")
+            return result
+
+        return save_fn
+
+    comm = SingleRank()
+    limiter = _limiter(impl, max_in_flight=2)
+    first = impl.async_save(
+        {"w": torch.zeros(2)},
+        checkpoint_id=str(tmp_path / "a"),
+        comm=comm,
+        limiter=limiter,
+        save_fn=recorded("first", True),
+    )
+    second = impl.async_save(
+        {"w": torch.ones(2)},
+        checkpoint_id=str(tmp_path / "b"),
+        comm=comm,
+        limiter=limiter,
+        save_fn=recorded("second", False),
+    )
+    assert second.staged.done()  # staged while the first still writes
+    time.sleep(0.2)
+    assert events == ["first starts"]
+    gate.set()
+    first.result(timeout=60)
+    second.result(timeout=60)
+    assert events == ["first starts", "first ends", "second starts", "second ends"]
+
+
+@pytest.mark.spec("REF-11", "REF-12")
+@pytest.mark.parametrize("use_collectives", [True, False])
+def test_what_save_fn_is_called_with(
+    impl: ModuleType, tmp_path: Path, use_collectives: bool
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def record(sd: dict[str, Any], **kw: Any) -> Metadata:
+        seen.append(kw)
+        result: Metadata = impl.save(sd, checkpoint_id=kw["checkpoint_id"], comm=SingleRank())
+        return result
+
+    writer = None
+    planner = (
+        refdcp.DefaultSavePlanner() if impl is refdcp else refdcp.reference.ReferenceSavePlanner()
+    )
+    impl.async_save(
+        {"w": torch.ones(2)},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+        planner=planner,
+        use_collectives=use_collectives,
+        executor="thread",
+        save_fn=record,
+    ).result(timeout=60)
+    (kw,) = seen
+    assert kw["checkpoint_id"] == str(tmp_path) and kw["storage_writer"] is writer
+    assert kw["planner"] is planner
+    assert ("use_collectives" in kw) is not use_collectives
+    if "use_collectives" in kw:
+        assert kw["use_collectives"] is False
+    if impl is refdcp:
+        assert kw["no_dist"] is True and "comm" not in kw
+    else:  # REF-12: a one-rank communicator instead of no_dist=True
+        assert isinstance(kw["comm"], SingleRank) and "no_dist" not in kw
+
+
+@pytest.mark.spec("REF-11", "ASYNC-1")
+def test_a_stager_that_asks_to_be_synchronized(impl: ModuleType, tmp_path: Path) -> None:
+    class Synchronized(_Recording):
+        _synchronize_after_execute = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.synchronized = 0
+
+        def synchronize_staging(self) -> None:
+            self.synchronized += 1
+
+    stager = Synchronized()
+    impl.async_save(
+        {"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True, stager=stager
+    ).result(timeout=60)
+    assert stager.calls == 1 and stager.synchronized == 1
+    again = impl.async_save(  # the same stager under both names is one stager
+        {"w": torch.ones(2)},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+        stager=stager,
+        async_stager=stager,
+    )
+    again.result(timeout=60)
+    assert stager.calls == 2
 
 
 @pytest.mark.spec("ASYNC-4", "ASYNC-3")

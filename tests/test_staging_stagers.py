@@ -99,6 +99,10 @@ def test_non_tensor_leaves_are_deep_copied(impl: ModuleType) -> None:
     assert snap["o"].v == [1, 2] and snap["l"] == [[1, 2]]
 
 
+class _Sub(torch.Tensor):
+    """A tensor subclass: not a plain tensor, so type_check refuses it."""
+
+
 @pytest.mark.spec("STAGE-10", "REF-10")
 def test_type_check(impl: ModuleType) -> None:
     stager = impl.CpuStager(cache_staged_state_dict=True, type_check=True)
@@ -109,6 +113,10 @@ def test_type_check(impl: ModuleType) -> None:
     ok = stager.stage({"w": torch.zeros(2), "n": 3, "s": "x", "z": None, "l": [(1.5, b"b")]})
     assert ok["n"] == 3 and ok["l"] == [(1.5, b"b")]
     assert impl.CpuStager(type_check=False).stage({"o": Opaque([1])})["o"].v == [1]
+    shards = refdcp.LocalShards((2, 2), [((0, 0), torch.ones(1, 2))])
+    assert isinstance(stager.stage({"s": shards})["s"], refdcp.LocalShards)  # accepted
+    with pytest.raises(TypeError, match=r"s\.\('chunk', 0\)"):
+        stager.stage({"s": refdcp.LocalShards((2, 2), [((0, 0), _Sub(torch.ones(1, 2)))])})
 
 
 @pytest.mark.spec("STAGE-11", "STAGE-12")
@@ -190,6 +198,12 @@ def test_local_shards_stage_their_chunks(impl: ModuleType, tmp_path: Path, cache
     assert isinstance(w, refdcp.LocalShards) and tuple(w.shape) == (4, 3)
     assert [tuple(off) for off, _ in w.chunks] == [(0, 0), (3, 0)]
     assert all(t.data_ptr() != s.data_ptr() for (_, t), (_, s) in zip(w.chunks, shards.chunks))
+    # a chunk that is a view stages only its own elements (STAGE-7)
+    big = torch.arange(100.0)
+    viewed = stager.stage({"v": refdcp.LocalShards((2,), [((0,), big[3:5])])})["v"]
+    assert viewed.chunks[0][1].untyped_storage().nbytes() == 8
+    if impl is refdcp:
+        stager.release(viewed)
     a.add_(100)
     assert torch.equal(w.chunks[0][1], torch.arange(6.0).reshape(2, 3))
     if impl is refdcp:

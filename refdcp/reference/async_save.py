@@ -113,11 +113,10 @@ class InFlightLimiter:
 PROCESS_LIMITER = InFlightLimiter()
 #: One limiter per communicator a save names, so each FakeWorld rank has its own (ASYNC-5).
 _COMM_LIMITERS: weakref.WeakKeyDictionary[Any, InFlightLimiter] = weakref.WeakKeyDictionary()
-#: Per channel (a communicator, or this process), the ``committed`` of its newest save (ASYNC-13).
-_NEWEST_SAVE: dict[object, Future[Metadata]] = {}
+#: Per communicator (None: this process), the ``committed`` of its newest save (ASYNC-13).
+_NEWEST_SAVE: dict[Communicator | None, Future[Metadata]] = {}
 #: Per (default group, ranks), the Communicator over a dedicated Gloo group (ASYNC-6).
 _CHECKPOINT_COMMS: dict[tuple[object, tuple[int, ...] | None], Communicator] = {}
-_THIS_PROCESS = object()
 _TABLES = threading.Lock()
 
 
@@ -175,13 +174,12 @@ def async_save(
     else:
         handle.staged.set_result(None)
 
-    channel = _THIS_PROCESS if comm is None else comm
     with _TABLES:
-        earlier = _NEWEST_SAVE.get(channel)
-        _NEWEST_SAVE[channel] = handle.committed
+        earlier = _NEWEST_SAVE.get(comm)
+        _NEWEST_SAVE[comm] = handle.committed
     box = [snapshot]  # the thread takes the only reference to the snapshot (ASYNC-16)
     del snapshot
-    job = (box, save_fn or reference_save, kwargs, limiter, handle, channel, earlier)
+    job = (box, save_fn or reference_save, kwargs, limiter, handle, comm, earlier)
     threading.Thread(target=_write, args=job, name="refdcp-reference-save", daemon=True).start()
     if stager.should_synchronize_after_execute:
         stager.synchronize_staging()
@@ -194,12 +192,12 @@ def _write(
     kwargs: dict[str, Any],
     limiter: Any,
     handle: AsyncSaveHandle,
-    channel: object,
+    comm: Communicator | None,
     earlier: Future[Metadata] | None,
 ) -> None:
     """The background thread: save the snapshot, then resolve ``committed`` (ASYNC-1, ASYNC-3, ASYNC-4)."""
     if earlier is not None:
-        earlier.exception()  # wait for the save before this one on the channel (ASYNC-13)
+        earlier.exception()  # wait for the save before this one over this comm (ASYNC-13)
     metadata: Any = None  # what save returned: the Metadata
     error: BaseException | None = None
     try:
@@ -211,8 +209,8 @@ def _write(
         error = exc
     snapshot = None  # nothing here keeps the snapshot once committed resolves (ASYNC-16)
     with _TABLES:
-        if _NEWEST_SAVE.get(channel) is handle.committed:
-            del _NEWEST_SAVE[channel]
+        if _NEWEST_SAVE.get(comm) is handle.committed:
+            del _NEWEST_SAVE[comm]
     limiter.release()  # the slot is free before committed resolves (ASYNC-4)
     if error is not None:
         handle.committed.set_exception(error)
