@@ -10,17 +10,27 @@ faster; tests run the shared property suites against both and compare them
 Read in this order: :mod:`.api` (save/load), :mod:`.save_planner` with
 :mod:`.dedup` and :mod:`.metadata`, :mod:`.storage` with :mod:`.format`, then
 :mod:`.load_planner`.
+``async_save`` (:mod:`.async_save`) stages with :mod:`.staging` and runs
+``save`` on a background thread (REF-10, REF-11).
 """
 
 from refdcp.reference.api import load, save
+from refdcp.reference.async_save import AsyncSaveHandle, InFlightLimiter, async_save
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.reference.load_planner import ReferenceLoadPlanner
 from refdcp.reference.local_shards import LocalShards
 from refdcp.reference.metadata import reference_metadata_problems
 from refdcp.reference.save_planner import ReferenceSavePlanner
+from refdcp.reference.staging import CpuStager, ReferenceStager, release_staging_buffers
 from refdcp.reference.storage import ReferenceReader, ReferenceWriter
 
 __all__ = [
+    "AsyncSaveHandle",
+    "CpuStager",
+    "InFlightLimiter",
+    "ReferenceStager",
+    "async_save",
+    "release_staging_buffers",
     "Decision",
     "LocalShards",
     "ReferenceLoadPlanner",
