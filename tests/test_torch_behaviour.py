@@ -2,12 +2,14 @@
 
 A sentence of ``spec/`` that says what torch does points here (or at another
 test that runs torch) with a ``(checked: tests/...::test_...)`` marker; these
-tests run torch's own ``dcp.load`` over a spawned Gloo group and assert what
-the claim says.
+tests run torch's own DCP (``dcp.load`` over a spawned Gloo group, or a single
+process with ``no_dist=True``) and assert what the claim says.
 """
 
 from __future__ import annotations
 
+import itertools
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import (
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -71,3 +78,127 @@ def test_torch_applies_nothing_when_a_read_fails_on_any_rank(tmp_path: Path) -> 
     for r in got:
         assert r["control"] == ([7.0], 5), got  # without the failure torch applies
         assert r["raised"] == "CheckpointException [1]" and r["applied"] == [] and r["step"] == 0
+
+
+# --- single-process runs of torch's own DCP (no_dist) ----------------------------------------
+
+
+def _torch_save(sd: dict[str, Any], path: Path, **writer: Any) -> None:
+    dcp.save(sd, storage_writer=FileSystemWriter(str(path), **writer), no_dist=True)
+
+
+def _rewrite_metadata(path: Path, change: Any) -> None:
+    md = FileSystemReader(str(path)).read_metadata()
+    change(md)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.spec("FLAT-2")
+def test_torch_drops_empty_dicts() -> None:
+    flat, mapping = torch_flatten({"empty": {}, "w": {"t": torch.ones(1)}})
+    assert list(flat) == ["w.t"] and "empty" not in str(mapping)
+
+
+@pytest.mark.spec("INTEG-1")
+def test_torch_stores_no_checksums(tmp_path: Path) -> None:
+    _torch_save({"w": torch.arange(8.0), "o": {"n": 3}}, tmp_path)
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    assert md.storage_data
+    for info in md.storage_data.values():
+        assert not [k for k in vars(info) if "crc" in k.lower() or "checksum" in k.lower()]
+    assert not (tmp_path / ".metadata").read_bytes().endswith(b"\n")  # no trailer either
+
+
+@pytest.mark.spec("FMT-7")
+def test_torch_never_checks_the_version(tmp_path: Path) -> None:
+    _torch_save({"w": torch.arange(4.0)}, tmp_path)
+    _rewrite_metadata(tmp_path, lambda md: setattr(md, "version", "99.0.0"))
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    assert torch.equal(out["w"], torch.arange(4.0))
+
+
+_CALLED: list[str] = []
+
+
+def _record_call() -> dict[str, int]:
+    """Unpickled by reference: proof that the reader ran a function the file named."""
+    _CALLED.append("ran")
+    return {}
+
+
+class _RunsCode:
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_record_call, ())
+
+
+@pytest.mark.spec("FMT-6", "TOOL-7")
+def test_torch_unpickles_metadata_without_restriction(tmp_path: Path) -> None:
+    _torch_save({"w": torch.arange(4.0)}, tmp_path)
+    _rewrite_metadata(tmp_path, lambda md: setattr(md, "planner_data", _RunsCode()))
+    _CALLED.clear()
+    FileSystemReader(str(tmp_path)).read_metadata()
+    assert _CALLED == ["ran"]
+
+
+@pytest.mark.spec("STORE-26")
+def test_torch_opens_a_data_file_outside_the_directory(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _torch_save({"w": torch.arange(4.0)}, ckpt)
+    [data] = list(ckpt.glob("*.distcp"))
+    data.rename(tmp_path / "outside.distcp")
+
+    def point_outside(md: Any) -> None:
+        for info in md.storage_data.values():
+            info.relative_path = "../outside.distcp"
+
+    _rewrite_metadata(ckpt, point_outside)
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    assert torch.equal(out["w"], torch.arange(4.0))
+
+
+@pytest.mark.spec("STORE-5")
+def test_torch_leaves_stale_data_files_behind(tmp_path: Path) -> None:
+    sd = {"a": torch.ones(4), "b": torch.ones(4)}
+    _torch_save(sd, tmp_path, thread_count=2)
+    _torch_save(sd, tmp_path, thread_count=1)
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    named = {info.relative_path for info in md.storage_data.values()}
+    stale = {p.name for p in tmp_path.glob("*.distcp")} - named
+    assert stale, named
+
+
+@pytest.mark.spec("STORE-50")
+def test_torch_packs_items_back_to_back(tmp_path: Path) -> None:
+    _torch_save({f"t{i}": torch.ones(3 + i * 1000) for i in range(3)} | {"o": 7}, tmp_path)
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    spans = sorted((i.offset, i.length) for i in md.storage_data.values())
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(spans)), spans
+    assert any(off % 64 for off, _ in spans)  # no alignment padding
+
+
+@pytest.mark.spec("DEDUP-6", "DEDUP-13")
+def test_torch_keeps_one_ranks_value_of_a_differing_replica_without_a_word() -> None:
+    """torch's default planner keeps a replicated key on the rank whose plan holds the fewest
+    bytes so far, not the lowest rank, and never compares the values."""
+    states = [{"big": torch.zeros(100), "shared": torch.zeros(4)}, {"shared": torch.ones(4)}]
+    plans = []
+    for rank, sd in enumerate(states):
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan())
+    coordinator = DefaultSavePlanner()
+    coordinator.set_up_planner(states[0], is_coordinator=True)
+    global_plans, _ = coordinator.create_global_plan(plans)  # no error though values differ
+    keepers = [
+        r for r, p in enumerate(global_plans) if any(i.index.fqn == "shared" for i in p.items)
+    ]
+    assert keepers == [1]
+    lowest = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    lowest.set_up_planner(states[0], is_coordinator=True)
+    global_plans, _ = lowest.create_global_plan(plans)
+    keepers = [
+        r for r, p in enumerate(global_plans) if any(i.index.fqn == "shared" for i in p.items)
+    ]
+    assert keepers == [0]

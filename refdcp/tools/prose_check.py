@@ -35,6 +35,7 @@ and exits 1 when there is any.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import sys
@@ -236,14 +237,25 @@ _TEST_REF = re.compile(r"\btests/[\w/]+\.py(?:::\w+)?")
 
 
 def _functions(path: Path) -> dict[str, str]:
-    """Every function of ``path`` (any depth), by name: its source text."""
-    text = path.read_text(encoding="utf-8")
+    """Every function of ``path`` (any depth), by name: its source text, decorators included."""
+    st = path.stat()
+    return _parsed(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, str]:
+    """:func:`_functions` of one version of a file (its time and size in the key)."""
+    text = Path(path).read_text(encoding="utf-8")
     lines = text.splitlines()
     out: dict[str, str] = {}
-    for node in ast.walk(ast.parse(text)):
+    stack: list[ast.stmt] = list(ast.parse(text).body)  # statements only: no expression walk
+    while stack:
+        node = stack.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-            out[node.name] = "\n".join(lines[first - 1 : node.end_lineno])
+            out.setdefault(node.name, "\n".join(lines[first - 1 : node.end_lineno]))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            stack.extend(node.body)
     return out
 
 
