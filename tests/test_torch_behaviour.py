@@ -8,6 +8,7 @@ process with ``no_dist=True``) and assert what the claim says.
 
 from __future__ import annotations
 
+import io
 import itertools
 import pickle
 from pathlib import Path
@@ -22,8 +23,21 @@ from torch.distributed.checkpoint import (
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.distributed.checkpoint._checkpointer import _Checkpointer
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import BlockingAsyncStager, StateDictStager
 from torch.distributed.checkpoint.stateful import Stateful
 
 from refdcp.testing.spawn import run_gloo
@@ -202,3 +216,163 @@ def test_torch_keeps_one_ranks_value_of_a_differing_replica_without_a_word() -> 
         r for r, p in enumerate(global_plans) if any(i.index.fqn == "shared" for i in p.items)
     ]
     assert keepers == [0]
+
+
+def _torch_load(sd: dict[str, Any], path: Path) -> None:
+    dcp.load(sd, storage_reader=FileSystemReader(str(path)), no_dist=True)
+
+
+class _UserValue:
+    """A user class: torch's weights-only unpickler would refuse it."""
+
+    def __init__(self) -> None:
+        self.v = 1
+
+
+@pytest.mark.spec("FLAT-3")
+def test_torch_writes_a_loaded_object_under_the_stringified_key(tmp_path: Path) -> None:
+    _torch_save({"m": {1: "x", "t": torch.ones(1)}}, tmp_path)
+    out: dict[str, Any] = {"m": {1: None, "t": torch.zeros(1)}}
+    _torch_load(out, tmp_path)
+    assert out["m"][1] is None and out["m"]["1"] == "x"
+
+
+@pytest.mark.spec("FLAT-4")
+def test_torch_pickles_a_tuple_holding_a_tensor_as_one_object(tmp_path: Path) -> None:
+    _torch_save({"tup": (torch.ones(2), 3)}, tmp_path)
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    assert {k: type(v).__name__ for k, v in md.state_dict_metadata.items()} == {
+        "tup": "BytesStorageMetadata"
+    }
+
+
+@pytest.mark.spec("PLAN-7", "LOAD-7")
+def test_torch_unpickles_objects_without_weights_only(tmp_path: Path) -> None:
+    _torch_save({"u": _UserValue()}, tmp_path)
+    out: dict[str, Any] = {"u": None}
+    _torch_load(out, tmp_path)
+    assert isinstance(out["u"], _UserValue)
+
+
+@pytest.mark.spec("POLICY-5")
+def test_torch_casts_a_dtype_mismatch_silently(tmp_path: Path) -> None:
+    _torch_save({"x": torch.arange(3, dtype=torch.float64)}, tmp_path)
+    out = {"x": torch.zeros(3, dtype=torch.float32)}
+    _torch_load(out, tmp_path)
+    assert out["x"].dtype == torch.float32 and out["x"].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.spec("POLICY-6")
+def test_torch_replaces_a_tensor_slot_by_an_object(tmp_path: Path) -> None:
+    _torch_save({"x": 3}, tmp_path)
+    out: dict[str, Any] = {"x": torch.zeros(1)}
+    _torch_load(out, tmp_path)
+    assert out["x"] == 3
+
+
+@pytest.mark.spec("POLICY-3")
+def test_torch_skips_checkpoint_keys_absent_from_the_state_dict(tmp_path: Path) -> None:
+    _torch_save({"x": torch.ones(2), "y": torch.ones(2)}, tmp_path)
+    out = {"x": torch.zeros(2)}
+    _torch_load(out, tmp_path)
+    assert list(out) == ["x"] and out["x"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.spec("API-23")
+def test_torch_reports_a_missing_key_as_a_runtime_error(tmp_path: Path) -> None:
+    _torch_save({"x": torch.ones(2)}, tmp_path)
+    with pytest.raises(CheckpointException) as info:
+        _torch_load({"x": torch.zeros(2), "z": torch.zeros(1)}, tmp_path)
+    cause = info.value.failures[0]
+    cause = cause[0] if isinstance(cause, tuple) else cause
+    assert type(cause) is RuntimeError and "Missing key in checkpoint state_dict: z." in str(cause)
+
+
+@pytest.mark.spec("FMT-2")
+def test_torch_places_bytes_items_before_tensors(tmp_path: Path) -> None:
+    _torch_save({"t": torch.ones(100), "o": {"a": 1}, "b": io.BytesIO(b"x")}, tmp_path)
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    order = [k.fqn for k, _ in sorted(md.storage_data.items(), key=lambda kv: kv[1].offset)]
+    assert order[-1] == "t" and set(order[:-1]) == {"o.a", "b"}
+
+
+@pytest.mark.spec("STORE-9")
+def test_torch_prefixes_plans_without_storage_data_by_rank() -> None:
+    plans = [SavePlan([]), SavePlan([], storage_data=_StoragePrefix("__7_")), SavePlan([])]
+    out = FileSystemWriter("/unused").prepare_global_plan(plans)
+    assert [p.storage_data.prefix for p in out] == ["__0_", "__7_", "__2_"]
+
+
+def _torch_global_plans(states: list[dict[str, Any]]) -> list[Any]:
+    plans = []
+    for rank, sd in enumerate(states):
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan())
+    coordinator = DefaultSavePlanner()
+    coordinator.set_up_planner(states[0], is_coordinator=True)
+    global_plans, _ = coordinator.create_global_plan(plans)
+    return [[i.index.fqn for i in p.items] for p in global_plans]
+
+
+@pytest.mark.spec("DEDUP-7")
+def test_torch_spreads_replicated_objects_over_the_ranks() -> None:
+    states = [{f"o{i}": i for i in range(4)} for _ in range(2)]
+    assert _torch_global_plans(states) == [["o0", "o2"], ["o1", "o3"]]
+
+
+@pytest.mark.spec("DEDUP-3")
+def test_torch_counts_the_global_size_of_a_shard() -> None:
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    data = TensorWriteData(chunk=chunk, properties=TensorProperties(), size=torch.Size([10]))
+    item = dcp.planner.WriteItem(
+        index=MetadataIndex("w", torch.Size([0])), type=WriteItemType.SHARD, tensor_data=data
+    )
+    assert item.tensor_storage_size() == 10 * 4  # the global tensor's bytes, not the chunk's 8
+
+
+@pytest.mark.spec("SAVE-15")
+def test_torch_reports_no_commit_status() -> None:
+    err = dcp.api.CheckpointException("write", {})
+    assert not hasattr(err, "committed") and not isinstance(err, Exception)
+
+
+@pytest.mark.spec("STAGE-7")
+def test_torch_stager_copies_the_whole_storage_of_a_view() -> None:
+    big = torch.arange(1000.0)
+    snap = StateDictStager().stage({"v": big[10:12]})
+    assert snap["v"].tolist() == [10.0, 11.0] and snap["v"].untyped_storage().nbytes() == 4000
+
+
+@pytest.mark.spec("STAGE-8")
+def test_torch_stager_keeps_views_sharing_storage() -> None:
+    base = torch.arange(6.0)
+    snap = StateDictStager().stage({"a": base[0:4], "b": base[2:6]})
+    snap["a"][2] = 100.0
+    assert snap["b"][0].item() == 100.0
+
+
+@pytest.mark.spec("STAGE-11")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the claim is about a CPU-only build")
+def test_torch_cached_blocking_stager_needs_an_accelerator() -> None:
+    with pytest.raises(RuntimeError, match="accelerator"):
+        BlockingAsyncStager(cache_staged_state_dict=True).stage({"w": torch.ones(2)})
+
+
+@pytest.mark.spec("COMM-11")
+def test_torch_without_dist_passes_objects_by_reference() -> None:
+    obj = object()
+    wrapper = dcp.utils._DistWrapper(None, False, 0)
+    assert wrapper.broadcast_object(obj) is obj
+    assert wrapper.all_gather_object(obj)[0] is obj and wrapper.scatter_object([obj]) is obj
+
+
+@pytest.mark.spec("ASYNC-9")
+def test_torch_checkpointer_save_raises_type_error(tmp_path: Path) -> None:
+    ck = _Checkpointer(
+        storage_writer=FileSystemWriter(str(tmp_path)),
+        storage_reader=FileSystemReader(str(tmp_path)),
+        no_dist=True,
+    )
+    with pytest.raises(TypeError, match="coordinator_rank"):
+        ck.save({"x": torch.ones(1)})
