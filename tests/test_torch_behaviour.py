@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import itertools
 import pickle
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint import (
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.distributed.checkpoint import filesystem as torch_filesystem
 from torch.distributed.checkpoint._checkpointer import _Checkpointer
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 from torch.distributed.checkpoint.api import CheckpointException
@@ -376,3 +379,149 @@ def test_torch_checkpointer_save_raises_type_error(tmp_path: Path) -> None:
     )
     with pytest.raises(TypeError, match="coordinator_rank"):
         ck.save({"x": torch.ones(1)})
+
+
+@pytest.mark.spec("API-2")
+def test_torch_replaces_top_level_values_and_applies_statefuls(tmp_path: Path) -> None:
+    _torch_save({"step": 5, "app": {"v": torch.full((2,), 7.0)}}, tmp_path)
+    app = _Counter()
+    out: dict[str, Any] = {"step": 0, "app": app}
+    _torch_load(out, tmp_path)
+    assert out["step"] == 5 and out["app"] is app and app.loaded == [7.0]
+
+
+@pytest.mark.spec("API-22")
+def test_torch_refuses_a_storage_given_twice_with_an_assertion(tmp_path: Path) -> None:
+    _torch_save({"x": torch.ones(1)}, tmp_path)
+    reader = FileSystemReader(str(tmp_path))
+    with pytest.raises(AssertionError):
+        dcp.load({"x": torch.zeros(1)}, reader, storage_reader=reader, no_dist=True)
+
+
+@pytest.mark.spec("FLAT-3")
+def test_torch_stringifies_keys_of_other_types() -> None:
+    flat, _ = torch_flatten({("a", 1): {"t": torch.ones(1)}, 2.5: torch.ones(1)})
+    assert list(flat) == ["('a', 1).t", "2.5"]
+
+
+@pytest.mark.spec("META-4", "TRACE-14")
+def test_torch_metadata_takes_the_first_ranks_values_in_plan_order() -> None:
+    states = [
+        {"w": torch.zeros(4), "b": torch.zeros(1)},
+        {"w": torch.zeros(4, dtype=torch.float64)},
+    ]
+    plans = []
+    for rank, sd in enumerate(states):
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(sd, is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan())
+    coordinator = DefaultSavePlanner()
+    coordinator.set_up_planner(states[0], is_coordinator=True)
+    _, md = coordinator.create_global_plan(plans)  # no error though the dtypes differ
+    assert md.state_dict_metadata["w"].properties.dtype == torch.float32
+    assert list(md.state_dict_metadata) == ["w", "b"]  # in the order the plans list them
+
+
+def _zip_crc_of_data(path: Path) -> int:
+    md = FileSystemReader(str(path)).read_metadata()
+    [info] = md.storage_data.values()
+    blob = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        [member] = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
+        return member.CRC
+
+
+@pytest.mark.spec("FMT-3")
+def test_torch_save_writes_a_zero_zip_crc_only_with_crc32_off(tmp_path: Path) -> None:
+    t = torch.arange(100.0)
+    _torch_save({"t": t}, tmp_path / "default")
+    assert _zip_crc_of_data(tmp_path / "default") == zlib.crc32(t.numpy().tobytes())
+    torch.serialization.set_crc32_options(False)
+    try:
+        _torch_save({"t": t}, tmp_path / "off")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert _zip_crc_of_data(tmp_path / "off") == 0
+
+
+@pytest.mark.spec("SAVE-10")
+def test_torch_stores_the_values_of_views(tmp_path: Path) -> None:
+    base = torch.arange(8.0)
+    z = torch.complex(torch.arange(3.0), torch.ones(3))
+    sd = {"slice": base[1:7:2], "conj": z.conj(), "expanded": torch.ones(1).expand(4)}
+    _torch_save(sd, tmp_path)
+    out = {k: torch.zeros_like(v.resolve_conj()) for k, v in sd.items()}
+    _torch_load(out, tmp_path)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v.resolve_conj()), k
+
+
+@pytest.mark.spec("STORE-1")
+def test_torch_removes_the_old_metadata_before_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _torch_save({"x": torch.ones(1)}, tmp_path)
+    calls: list[str] = []
+    fs = torch_filesystem.FileSystem
+    rm_file, rename = fs.rm_file, fs.rename
+    monkeypatch.setattr(
+        fs, "rm_file", lambda s, p: (calls.append(f"rm {Path(p).name}"), rm_file(s, p))[1]
+    )
+    monkeypatch.setattr(
+        fs, "rename", lambda s, a, b: (calls.append(f"mv {Path(b).name}"), rename(s, a, b))[1]
+    )
+    _torch_save({"x": torch.ones(1)}, tmp_path)
+    assert calls == ["rm .metadata", "mv .metadata"]
+
+
+@pytest.mark.spec("PLAN-9")
+def test_torch_caches_plans_per_planner_class_for_the_whole_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("save_plan", "final_save_plan", "all_plans", "global_plan", "metadata"):
+        monkeypatch.setattr(dcp.planner.SavePlanner, f"_cached_{name}", {})
+    sd = {"w": torch.zeros(2)}
+    first = DefaultSavePlanner(enable_plan_caching=True)
+    first.set_up_planner(sd, is_coordinator=True)
+    global_plans, _ = first.create_global_plan([first.create_local_plan()])
+    first.finish_plan(global_plans[0])
+    second = DefaultSavePlanner(enable_plan_caching=True)  # another instance, same class
+    second.set_up_planner(sd, is_coordinator=True)
+    assert second.create_local_plan() == dcp.planner.SavePlan([], usable=False)  # served
+
+
+@pytest.mark.spec("FMT-29")
+def test_torch_reads_the_bytes_a_record_names_even_another_items(tmp_path: Path) -> None:
+    _torch_save({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path)
+
+    def b_points_at_a(md: Any) -> None:
+        by_fqn = {k.fqn: k for k in md.storage_data}
+        md.storage_data[by_fqn["b"]] = md.storage_data[by_fqn["a"]]
+
+    _rewrite_metadata(tmp_path, b_points_at_a)
+    out = {"a": torch.zeros(4), "b": torch.full((4,), 5.0)}
+    _torch_load(out, tmp_path)
+    assert out["b"].tolist() == [1.0] * 4
+
+
+@pytest.mark.spec("LOAD-11")
+def test_torchs_reader_keeps_the_storage_data_after_a_load(tmp_path: Path) -> None:
+    _torch_save({"x": torch.ones(2)}, tmp_path)
+    reader = FileSystemReader(str(tmp_path))
+    dcp.load({"x": torch.zeros(2)}, storage_reader=reader, no_dist=True)
+    assert reader.storage_data
+
+
+@pytest.mark.spec("INTEG-4")
+def test_torch_leaves_tensors_read_before_a_failed_item_loaded(tmp_path: Path) -> None:
+    _torch_save({"a": torch.ones(4), "b": torch.ones(1000)}, tmp_path)
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    last = max(md.storage_data.values(), key=lambda i: i.offset)
+    first = min(md.storage_data.values(), key=lambda i: i.offset)
+    data = tmp_path / last.relative_path
+    data.write_bytes(data.read_bytes()[: last.offset + 10])  # cut the item stored last
+    out = {"a": torch.zeros(4), "b": torch.zeros(1000)}
+    with pytest.raises(CheckpointException):
+        _torch_load(out, tmp_path)
+    stored_first = next(k.fqn for k, v in md.storage_data.items() if v is first)
+    assert out[stored_first].tolist() == [1.0] * out[stored_first].numel()
