@@ -41,6 +41,12 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, StateDictStager
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict as torch_get_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict import (
+    set_optimizer_state_dict as torch_set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from refdcp.testing.spawn import run_gloo
@@ -525,3 +531,53 @@ def test_torch_leaves_tensors_read_before_a_failed_item_loaded(tmp_path: Path) -
         _torch_load(out, tmp_path)
     stored_first = next(k.fqn for k, v in md.storage_data.items() if v is first)
     assert out[stored_first].tolist() == [1.0] * out[stored_first].numel()
+
+
+class _BigBytes:
+    """Pickles as a call of ``bytes(n)``: a few bytes in the file, ``n`` in memory."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (bytes, (self.n,))
+
+
+@pytest.mark.spec("FMT-11")
+def test_torch_builds_whatever_the_metadata_describes(tmp_path: Path) -> None:
+    _torch_save({"w": torch.arange(4.0)}, tmp_path)
+    _rewrite_metadata(tmp_path, lambda md: setattr(md, "planner_data", _BigBytes(50 << 20)))
+    assert (tmp_path / ".metadata").stat().st_size < 4096
+    md = FileSystemReader(str(tmp_path)).read_metadata()
+    assert isinstance(md.planner_data, bytes) and len(md.planner_data) == 50 << 20
+
+
+@pytest.mark.spec("SAVE-12")
+def test_torch_saves_what_weights_only_refuses_and_fails_at_write_on_the_unpicklable(
+    tmp_path: Path,
+) -> None:
+    _torch_save({"u": _UserValue()}, tmp_path / "user")
+    out: dict[str, Any] = {"u": None}
+    _torch_load(out, tmp_path / "user")  # its own load unpickles it (not weights-only)
+    assert isinstance(out["u"], _UserValue)
+    with pytest.raises(CheckpointException) as info:
+        _torch_save({"my_fn_key": lambda: 1}, tmp_path / "fn")
+    text = str(info.value)
+    assert "Can't pickle" in text and "write_data" in text and "my_fn_key" not in text
+
+
+@pytest.mark.spec("SD-8")
+def test_torch_raises_at_the_first_missing_optimizer_state() -> None:
+    def model_and_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        return model, torch.optim.Adam(model.parameters())
+
+    model, optim = model_and_adam()
+    model(torch.ones(1, 2)).sum().backward()
+    optim.step()
+    osd = torch_get_optimizer_state_dict(model, optim)
+    del osd["state"]["0.weight"], osd["state"]["1.bias"]
+    fresh, fresh_optim = model_and_adam()
+    with pytest.raises(RuntimeError, match=r"0\.weight") as info:
+        torch_set_optimizer_state_dict(fresh, fresh_optim, osd)
+    assert "1.bias" not in str(info.value)  # one parameter named, not every one
