@@ -581,3 +581,47 @@ def test_torch_raises_at_the_first_missing_optimizer_state() -> None:
     with pytest.raises(RuntimeError, match=r"0\.weight") as info:
         torch_set_optimizer_state_dict(fresh, fresh_optim, osd)
     assert "1.bias" not in str(info.value)  # one parameter named, not every one
+
+
+@pytest.mark.spec("FMT-28", "RESHARD-5", "META-3")
+def test_torch_saves_and_loads_a_layout_with_a_hole(tmp_path: Path) -> None:
+    """One plan: torch's save checks no coverage; its load leaves the hole's old values."""
+    import refdcp
+
+    held = [((0, 0), torch.ones(1, 2))]
+    dcp.save({"h": refdcp.LocalShards((3, 2), held)}, checkpoint_id=tmp_path, no_dist=True)
+    dest = {"h": torch.full((3, 2), 5.0)}
+    _torch_load(dest, tmp_path)
+    assert dest["h"].tolist() == [[1.0, 1.0], [5.0, 5.0], [5.0, 5.0]]
+
+
+class _KwargsWriter(FileSystemWriter):  # type: ignore[misc]
+    """torch's writer, recording how torch calls its set-up."""
+
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(((is_coordinator, *args), kwargs))
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+
+class _KwargsReader(FileSystemReader):  # type: ignore[misc]
+    """torch's reader, recording how torch calls its set-up."""
+
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def set_up_storage_reader(
+        self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.calls.append(((is_coordinator, *args), kwargs))
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+
+@pytest.mark.spec("CONF-3")
+def test_torch_passes_rank_and_use_collectives_to_kwargs_storage(tmp_path: Path) -> None:
+    _KwargsWriter.calls.clear()
+    _KwargsReader.calls.clear()
+    dcp.save({"x": torch.ones(1)}, storage_writer=_KwargsWriter(str(tmp_path)), no_dist=True)
+    dcp.load({"x": torch.zeros(1)}, storage_reader=_KwargsReader(str(tmp_path)), no_dist=True)
+    expected = [((True,), {"rank": 0, "use_collectives": True})]
+    assert _KwargsWriter.calls == expected and _KwargsReader.calls == expected
