@@ -625,3 +625,31 @@ def test_torch_passes_rank_and_use_collectives_to_kwargs_storage(tmp_path: Path)
     dcp.load({"x": torch.zeros(1)}, storage_reader=_KwargsReader(str(tmp_path)), no_dist=True)
     expected = [((True,), {"rank": 0, "use_collectives": True})]
     assert _KwargsWriter.calls == expected and _KwargsReader.calls == expected
+
+
+class _InterruptedWriter(FileSystemWriter):  # type: ignore[misc]
+    """torch's writer, interrupted (KeyboardInterrupt) in its local planning on rank 1."""
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise KeyboardInterrupt
+        return super().prepare_local_plan(plan)
+
+
+def _torch_save_interrupted_on_rank_1(rank: int, world: int, path: str) -> str:
+    try:
+        dcp.save({"w": torch.ones(2)}, storage_writer=_InterruptedWriter(path))
+    except CheckpointException as e:
+        cause = e.failures[1]
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        return f"CheckpointException {sorted(e.failures)} {type(cause).__name__}"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    return "returned"
+
+
+@pytest.mark.dist
+@pytest.mark.spec("ERR-10")
+def test_torch_raises_checkpoint_exception_on_the_interrupted_rank(tmp_path: Path) -> None:
+    got = run_gloo(2, _torch_save_interrupted_on_rank_1, str(tmp_path), timeout=120.0)
+    assert got == ["CheckpointException [1] KeyboardInterrupt"] * 2
