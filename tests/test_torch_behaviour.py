@@ -653,3 +653,42 @@ def _torch_save_interrupted_on_rank_1(rank: int, world: int, path: str) -> str:
 def test_torch_raises_checkpoint_exception_on_the_interrupted_rank(tmp_path: Path) -> None:
     got = run_gloo(2, _torch_save_interrupted_on_rank_1, str(tmp_path), timeout=120.0)
     assert got == ["CheckpointException [1] KeyboardInterrupt"] * 2
+
+
+class _RepointingWriter(FileSystemWriter):  # type: ignore[misc]
+    """torch's writer; before committing, the checkpoint path (a link) is re-pointed."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        link = Path(self.path)
+        link.unlink()
+        link.symlink_to(link.parent / "b", target_is_directory=True)
+        super().finish(metadata, results)
+
+
+@pytest.mark.spec("STORE-57")
+def test_torch_commits_where_the_path_points_at_commit_not_where_it_wrote(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "a", target_is_directory=True)
+    dcp.save({"w": torch.ones(4)}, storage_writer=_RepointingWriter(str(link)), no_dist=True)
+    assert list((tmp_path / "a").glob("*.distcp")) and not (tmp_path / "a" / ".metadata").exists()
+    assert (tmp_path / "b" / ".metadata").exists() and not list((tmp_path / "b").glob("*.distcp"))
+    with pytest.raises(CheckpointException):  # the save reported success; the path does not load
+        _torch_load({"w": torch.zeros(4)}, link)
+
+
+class _InterleavedWriter(FileSystemWriter):  # type: ignore[misc]
+    """torch's writer; another whole torch save into the same directory runs before its commit."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        _torch_save({"w": torch.full((64,), 2.0), "x": torch.ones(64)}, Path(self.path))
+        super().finish(metadata, results)
+
+
+@pytest.mark.spec("STORE-29")
+def test_torch_lets_two_saves_interleave_both_succeeding(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(4)}, storage_writer=_InterleavedWriter(str(tmp_path)), no_dist=True)
+    # both saves returned; the committed .metadata is the first's, over the second's data
+    with pytest.raises(CheckpointException, match="corrupted"):
+        _torch_load({"w": torch.zeros(4)}, tmp_path)
