@@ -93,13 +93,29 @@ def _torch_load_with_a_failed_read_on_rank_1(rank: int, world: int, path: str) -
     }
 
 
+def _two_ranks(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Every Gloo run of this module in one spawn (a spawn costs seconds)."""
+    return {
+        "load": _torch_load_with_a_failed_read_on_rank_1(rank, world, f"{path}/load"),
+        "interrupt": _torch_save_interrupted_on_rank_1(rank, world, f"{path}/interrupt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    path = tmp_path_factory.mktemp("gloo")
+    got: list[dict[str, Any]] = run_gloo(2, _two_ranks, str(path), timeout=120.0)
+    return got
+
+
 @pytest.mark.dist
 @pytest.mark.spec("LOAD-5")
-def test_torch_applies_nothing_when_a_read_fails_on_any_rank(tmp_path: Path) -> None:
+def test_torch_applies_nothing_when_a_read_fails_on_any_rank(
+    two_ranks: list[dict[str, Any]],
+) -> None:
     """torch 2.13: the read all-gather raises on every rank before any apply."""
-    got = run_gloo(2, _torch_load_with_a_failed_read_on_rank_1, str(tmp_path), timeout=120.0)
-    for r in got:
-        assert r["control"] == ([7.0], 5), got  # without the failure torch applies
+    for r in (run["load"] for run in two_ranks):
+        assert r["control"] == ([7.0], 5), two_ranks  # without the failure torch applies
         assert r["raised"] == "CheckpointException [1]" and r["applied"] == [] and r["step"] == 0
 
 
@@ -650,8 +666,10 @@ def _torch_save_interrupted_on_rank_1(rank: int, world: int, path: str) -> str:
 
 @pytest.mark.dist
 @pytest.mark.spec("ERR-10")
-def test_torch_raises_checkpoint_exception_on_the_interrupted_rank(tmp_path: Path) -> None:
-    got = run_gloo(2, _torch_save_interrupted_on_rank_1, str(tmp_path), timeout=120.0)
+def test_torch_raises_checkpoint_exception_on_the_interrupted_rank(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    got = [run["interrupt"] for run in two_ranks]
     assert got == ["CheckpointException [1] KeyboardInterrupt"] * 2
 
 
