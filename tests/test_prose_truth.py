@@ -275,7 +275,9 @@ def _claims_tree(tmp_path: Path, bullets: list[str], unchecked: str = "") -> Pat
     (root / "tests" / "test_t.py").write_text(
         "import torch.distributed.checkpoint as dcp\n\n\n"
         "def test_runs() -> None:\n    dcp.save({}, checkpoint_id='x')\n\n\n"
-        "def test_idle() -> None:\n    assert 1\n"
+        "def test_idle() -> None:\n    assert 1\n\n\n"
+        "def torch_run() -> int:\n    dcp.save({}, checkpoint_id='x')\n    return 1\n\n\n"
+        "def test_by_fixture(torch_run: int) -> None:\n    assert torch_run\n"
     )
     (root / "tests" / "torch_claims_unchecked.txt").write_text(unchecked)
     return root
@@ -316,6 +318,12 @@ def test_a_marked_claim_passes_and_its_marker_is_not_counted_as_words(tmp_path: 
     root = _claims_tree(tmp_path / "over", [_req(1, MAX_WORDS - 15) + ". " + claim + " " + quoted])
     [problem] = spec_problems(root / "spec")
     assert "121 words" in problem
+
+
+@pytest.mark.spec("HARN-30")
+def test_a_test_runs_torch_through_a_fixture_or_helper_of_its_module(tmp_path: Path) -> None:
+    claim = "Differs from torch: torch keeps it (checked: tests/test_t.py::test_by_fixture)."
+    assert torch_claim_problems(_claims_tree(tmp_path, [_req(1, 3) + ". " + claim])) == []
 
 
 @pytest.mark.spec("HARN-30")

@@ -498,13 +498,14 @@ def torch_claim_problems(root: Path) -> list[str]:
 
 
 def _runs_torch(path: Path, name: str) -> bool:
-    """Whether test ``name`` of ``path``, or a function of its module it calls, runs torch."""
+    """Whether test ``name`` of ``path``, or a function of its module it names (a helper it
+    calls, a fixture it takes), runs torch."""
     functions = _functions(path)
     body = functions[name]
     if RUNS_TORCH.search(body):
         return True
-    called = set(re.findall(r"\b(\w+)\(", body)) - {name}
-    return any(RUNS_TORCH.search(functions[c]) for c in called if c in functions)
+    named = set(re.findall(r"\b(\w+)\b", body)) - {name}
+    return any(RUNS_TORCH.search(functions[c]) for c in named if c in functions)
 
 
 def main(argv: list[str] | None = None) -> int:
