@@ -25,6 +25,8 @@ from refdcp.storage.errors import UnsafeObjectError
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 SAVED = {"a": (2, 3), "b": (4,), "n.c": (1,)}
+#: half the profile's examples (ci 12, thorough 200): each property runs once per implementation
+HALF = settings(max_examples=max(5, settings().max_examples // 2), deadline=None)
 #: torch's sentences for the two problems, as torch 2.13 words them
 TORCH_WORDING = re.compile(
     r"Missing key in checkpoint state_dict: \S+\.|Size mismatch between saved .+? for \S+"
@@ -43,7 +45,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.spec("API-23")
-@settings(max_examples=25, deadline=None)
+@HALF
 @given(
     keep=st.lists(st.sampled_from(sorted(SAVED)), unique=True),
     missing=st.lists(st.sampled_from(["x", "n.y", "zz"]), unique=True),
@@ -114,7 +116,7 @@ SIDES = ("refdcp", "torch")
 
 
 @pytest.mark.spec("API-24", "LOAD-7")
-@settings(max_examples=20, deadline=None)
+@HALF
 @given(
     data=st.binary(max_size=300),
     pos=st.integers(0, 400),

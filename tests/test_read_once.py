@@ -467,6 +467,7 @@ def test_gloo_world_2_reads_once_bit_exact_and_every_rank_raises_on_a_bad_reader
                 assert f"'w{victim}'" in outcome[1] and file in outcome[1]
 
 
+@pytest.mark.slow  # make test-thorough: ~30 s of spawned ranks; world 2 above runs in make test
 @pytest.mark.spec("ONCE-7", "ONCE-5")
 def test_gloo_world_4_reads_each_byte_once_and_every_rank_raises_on_a_bad_reader() -> None:
     """Four Gloo ranks, four replicated tensors: each rank reads one, the stored bytes
