@@ -3,12 +3,14 @@ half-committed.
 
 A clean save or load under ``FakeWorld`` records every action each rank takes (the
 ``fault`` hook runs before each one, PROTO-7); then, for every rank and every action
-index, the same save or load runs with a fault raised there on that rank alone.
+index, the same save or load runs with a fault raised there on that rank alone. A save
+goes over an earlier checkpoint, which stays as it was unless the new one commits.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -26,11 +28,11 @@ from refdcp.errors import CheckpointError, ProtocolError
 from refdcp.protocol import Kind
 
 
-def rank_state(rank: int) -> dict[str, Any]:
+def rank_state(rank: int, generation: int = 0) -> dict[str, Any]:
     return {
-        "shared": torch.arange(12, dtype=torch.float32).reshape(3, 4),
-        f"own{rank}": torch.full((3,), float(rank), dtype=torch.bfloat16),
-        "step": 7,
+        "shared": torch.arange(12, dtype=torch.float32).reshape(3, 4) + generation,
+        f"own{rank}": torch.full((3,), float(rank + generation), dtype=torch.bfloat16),
+        "step": 7 + generation,
     }
 
 
@@ -81,6 +83,10 @@ def _run(world: int, body: Any, hooks: _Actions) -> list[Any]:
     )
 
 
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
 def commit_boundary(actions: list[Any], rank: int) -> int:
     """Index of the last action at which a fault on ``rank`` must still prevent the commit."""
     names = [(a.kind, a.phase) for a in actions]
@@ -89,32 +95,48 @@ def commit_boundary(actions: list[Any], rank: int) -> int:
     return names.index((Kind.GATHER, "gather_results"))
 
 
-def _saver(impl: ModuleType, path: Path, states: list[dict[str, Any]] | None = None) -> Any:
+def _saver(
+    impl: ModuleType, path: Path, states: list[dict[str, Any]] | None = None, generation: int = 0
+) -> Any:
     def body(comm: Any, fault: Any) -> Any:
-        state = states[comm.rank] if states else rank_state(comm.rank)
+        state = states[comm.rank] if states else rank_state(comm.rank, generation)
         return impl.save(state, checkpoint_id=path, comm=comm, fault=fault)
 
     return body
 
 
-@pytest.mark.spec("PROTO-5", "PROTO-7", "SAVE-6", "SAVE-7", "SAVE-8", "SAVE-9", "ERR-1", "ERR-4")
+@pytest.mark.spec(
+    "REF-6",
+    "PROTO-5",
+    "PROTO-7",
+    "SAVE-6",
+    "SAVE-7",
+    "SAVE-8",
+    "SAVE-9",
+    "ERR-1",
+    "ERR-4",
+    "STORE-3",
+    "STORE-31",
+)
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_save_fault_at_every_action_of_every_rank(
     impl: ModuleType, tmp_path: Path, world: int
 ) -> None:
+    old = tmp_path / "old"  # the earlier checkpoint every faulty save goes over
     clean = _Actions(world)
-    results = _run(world, _saver(impl, tmp_path / "clean"), clean)
+    results = _run(world, _saver(impl, old, generation=1), clean)
     assert all(m == results[0] for m in results)  # SAVE-8
     cases = 0
     for rank in range(world):
         boundary = commit_boundary(clean.actions[rank], rank)
         for index in range(len(clean.actions[rank])):
             path = tmp_path / f"r{rank}i{index}"
+            shutil.copytree(old, path)
+            before = _files(path)
             out = _run(world, _saver(impl, path), _Actions(world, (rank, index)))  # no hang
-            committed = (path / ".metadata").exists()
             errors = {r: e for r, e in enumerate(out) if isinstance(e, BaseException)}
             if index <= boundary:
-                assert not committed, (rank, index)
+                assert _files(path) == before, (rank, index)  # the old checkpoint, untouched
                 assert set(errors) == set(range(world)), (rank, index, out)
                 first = errors[0]
                 assert isinstance(first, CheckpointError)
@@ -128,7 +150,6 @@ def test_save_fault_at_every_action_of_every_rank(
                 assert f"rank {rank}" in msg and first.steps[rank] in msg
                 assert "nothing was committed" in msg
             else:
-                assert committed, (rank, index)
                 for e in errors.values():
                     assert isinstance(e, CheckpointError) and e.committed, (rank, index, e)
                     assert "WAS committed" in str(e)
