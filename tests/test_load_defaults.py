@@ -90,6 +90,7 @@ def test_common_data_values_load_by_default(impl: ModuleType, tmp_path: Path, wr
 
 @pytest.mark.spec("LOAD-7")
 def test_allow_list_holds_no_code_running_callables() -> None:
+    # single path: default_safe_globals is the default path's allow list
     import builtins
 
     names = set()

@@ -3,8 +3,8 @@
 Recording subclasses of each implementation's planners (``impl``) and of the in-memory
 storage log every protocol call; a save and a load run under ``FakeWorld`` (threads and
 real collectives) on both implementations, and on the default path also under the
-single-thread simulator, and the logs are checked against SAVE-1..5, LOAD-1..4 and PROTO-2. ERR-2 and ERR-3 are checked on the
-error type at the end.
+single-thread simulator, and the logs are checked against SAVE-1..5, LOAD-1..4 and
+PROTO-2. ERR-2 and ERR-3 are checked on the error type at the end.
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def _recording(cls: type, tag: str) -> type:
 
 RSavePlanner = _recording(DefaultSavePlanner, "planner")
 RLoadPlanner = _recording(DefaultLoadPlanner, "planner")
+RWriter = _recording(MemoryWriter, "writer")
+RReader = _recording(MemoryReader, "reader")
 #: recording planners of each implementation, by module name
 _PLANNERS: dict[str, tuple[type, type]] = {
     refdcp.__name__: (RSavePlanner, RLoadPlanner),
@@ -118,10 +120,6 @@ def _planners(impl: ModuleType) -> tuple[type, type]:
             _recording(impl.DefaultLoadPlanner, "planner"),
         )
     return _PLANNERS[impl.__name__]
-
-
-RWriter = _recording(MemoryWriter, "writer")
-RReader = _recording(MemoryReader, "reader")
 
 
 def _tag(obj: Any, rank: int, log: list[Entry], lock: threading.Lock) -> Any:
