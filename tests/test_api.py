@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,7 +18,6 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-import refdcp
 from refdcp.comm import FakeWorld, SingleRank
 from refdcp.errors import CheckpointError
 from refdcp.testing.spawn import run_gloo
@@ -36,18 +36,20 @@ def assert_state_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.mark.spec("API-1", "API-3", "SAVE-8")
 @pytest.mark.parametrize("world", range(1, 9))
-def test_round_trip_fake_world(tmp_path: Path, world: int) -> None:
+def test_round_trip_fake_world(impl: ModuleType, tmp_path: Path, world: int) -> None:
     path = str(tmp_path)
 
     def rank_main(comm: Any) -> Any:
-        md = refdcp.save(
+        md = impl.save(
             rank_state(comm.rank, world),
             storage_writer=FileSystemWriter(path, sync_files=False),
             planner=DefaultSavePlanner(),
             comm=comm,
         )
         out = empty_like_state(comm.rank, world)
-        refdcp.load(out, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(), comm=comm)
+        impl.load(
+            out, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(), comm=comm
+        )
         assert_state_equal(out, rank_state(comm.rank, world))
         return md
 
@@ -58,12 +60,14 @@ def test_round_trip_fake_world(tmp_path: Path, world: int) -> None:
 
 @pytest.mark.spec("API-7", "API-3")
 @pytest.mark.parametrize("world", [1, 3, 4])
-def test_refdcp_save_loads_with_torch_and_back(tmp_path: Path, world: int) -> None:
-    """Differential: refdcp.save -> torch dcp.load, and torch-written -> refdcp.load."""
+def test_refdcp_save_loads_with_torch_and_back(
+    impl: ModuleType, tmp_path: Path, world: int
+) -> None:
+    """Differential: impl.save -> torch dcp.load, and torch-written -> impl.load."""
     ours = str(tmp_path / "ours")
 
     FakeWorld(world).run(
-        lambda comm: refdcp.save(
+        lambda comm: impl.save(
             rank_state(comm.rank, world),
             storage_writer=FileSystemWriter(ours, sync_files=False),
             planner=DefaultSavePlanner(),
@@ -87,7 +91,9 @@ def test_refdcp_save_loads_with_torch_and_back(tmp_path: Path, world: int) -> No
 
     def load_rank(comm: Any) -> None:
         out = empty_like_state(comm.rank, world)
-        refdcp.load(out, storage_reader=FileSystemReader(theirs), planner=DefaultLoadPlanner(), comm=comm)
+        impl.load(
+            out, storage_reader=FileSystemReader(theirs), planner=DefaultLoadPlanner(), comm=comm
+        )
         assert_state_equal(out, rank_state(comm.rank, world))
 
     FakeWorld(world).run(load_rank)
@@ -105,9 +111,9 @@ class Box(Stateful):
 
 
 @pytest.mark.spec("API-2", "API-1")
-def test_stateful_and_top_level_replacement(tmp_path: Path) -> None:
+def test_stateful_and_top_level_replacement(impl: ModuleType, tmp_path: Path) -> None:
     path = str(tmp_path)
-    refdcp.save(
+    impl.save(
         {"box": Box(3.0), "step": 11, "w": torch.ones(2)},
         storage_writer=FileSystemWriter(path),
         planner=DefaultSavePlanner(),
@@ -116,7 +122,9 @@ def test_stateful_and_top_level_replacement(tmp_path: Path) -> None:
     box = Box(0.0)
     w = torch.zeros(2)
     dest: dict[str, Any] = {"box": box, "step": 0, "w": w}
-    refdcp.load(dest, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(), comm=SingleRank())
+    impl.load(
+        dest, storage_reader=FileSystemReader(path), planner=DefaultLoadPlanner(), comm=SingleRank()
+    )
     assert dest["box"] is box and torch.equal(box.t, torch.full((3,), 3.0))
     assert dest["step"] == 11
     assert torch.equal(w, torch.ones(2))  # tensors are loaded in place
@@ -124,6 +132,7 @@ def test_stateful_and_top_level_replacement(tmp_path: Path) -> None:
 
 @pytest.mark.spec("API-4")
 def test_comm_resolution(tmp_path: Path) -> None:
+    # single path: resolve_comm is the default path's internal helper
     from refdcp.api import resolve_comm
 
     single = SingleRank()
@@ -134,35 +143,39 @@ def test_comm_resolution(tmp_path: Path) -> None:
 
 
 @pytest.mark.spec("API-5")
-def test_checkpoint_id_selects_storage_and_is_required(tmp_path: Path) -> None:
+def test_checkpoint_id_selects_storage_and_is_required(impl: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="checkpoint_id"):
-        refdcp.save({"a": torch.ones(1)}, no_dist=True)
+        impl.save({"a": torch.ones(1)}, no_dist=True)
     with pytest.raises(ValueError, match="checkpoint_id"):
-        refdcp.load({"a": torch.ones(1)}, no_dist=True)
+        impl.load({"a": torch.ones(1)}, no_dist=True)
     path = tmp_path / "auto"
-    refdcp.save({"a": torch.arange(3)}, checkpoint_id=str(path), no_dist=True)
+    impl.save({"a": torch.arange(3)}, checkpoint_id=str(path), no_dist=True)
     assert (path / ".metadata").exists()
     out = {"a": torch.zeros(3, dtype=torch.int64)}
-    refdcp.load(out, checkpoint_id=str(path), no_dist=True)
+    impl.load(out, checkpoint_id=str(path), no_dist=True)
     assert torch.equal(out["a"], torch.arange(3))
     # A storage object plus an id: the storage is reset to that id.
     other = tmp_path / "other"
     writer = FileSystemWriter(str(tmp_path / "unused"))
-    refdcp.save({"a": torch.arange(3)}, checkpoint_id=str(other), storage_writer=writer, no_dist=True)
+    impl.save({"a": torch.arange(3)}, checkpoint_id=str(other), storage_writer=writer, no_dist=True)
     assert (other / ".metadata").exists()
     with pytest.raises(CheckpointError, match="cannot choose a storage"):
-        refdcp.save({"a": torch.ones(1)}, checkpoint_id="nosuchscheme://x/y", no_dist=True)
+        impl.save({"a": torch.ones(1)}, checkpoint_id="nosuchscheme://x/y", no_dist=True)
 
 
 @pytest.mark.spec("API-6")
-def test_verify_needs_a_reader_with_checksums(tmp_path: Path) -> None:
+def test_verify_needs_a_reader_with_checksums(impl: ModuleType, tmp_path: Path) -> None:
     path = str(tmp_path)
-    refdcp.save({"a": torch.ones(2)}, storage_writer=FileSystemWriter(path), no_dist=True)
+    impl.save({"a": torch.ones(2)}, storage_writer=FileSystemWriter(path), no_dist=True)
     with pytest.raises(CheckpointError, match="verify=True needs a reader"):
-        refdcp.load({"a": torch.zeros(2)}, storage_reader=FileSystemReader(path), no_dist=True, verify=True)
+        impl.load(
+            {"a": torch.zeros(2)}, storage_reader=FileSystemReader(path), no_dist=True, verify=True
+        )
 
 
 # --- spawned Gloo process groups ------------------------------------------------------
+# Single path: the spawned ranks run tests/_dist_fns.py on the default path; the Gloo
+# communicator is shared by both implementations (REF-1), whose FakeWorld runs are above.
 
 
 @pytest.mark.dist
@@ -198,7 +211,9 @@ def test_gloo_late_peer_times_out_instead_of_hanging(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.spec("API-1", "COMM-1")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by make test-gpu on a GPU machine)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (run by make test-gpu on a GPU machine)"
+)
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_cuda_tensors_round_trip(tmp_path: Path, backend: str) -> None:
     world = max(1, torch.cuda.device_count()) if backend == "nccl" else 2

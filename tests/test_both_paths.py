@@ -1,10 +1,11 @@
 """The shared property suites, run against both ``refdcp`` and ``refdcp.reference`` (REF-6).
 
 As CPython runs one decimal test suite over ``_decimal`` and ``_pydecimal``,
-every property here is checked on the fast default path and on the readable
-reference path: round trips across world sizes with resharding, dedup
-(exactly one writer per replicated chunk), replicas that disagree, staging
-isolation, corruption detection, and a failure on any rank at any step.
+every property here takes the ``impl`` fixture (tests/conftest.py) and is checked
+on the fast default path and on the readable reference path: round trips across
+world sizes with resharding, dedup (exactly one writer per replicated chunk),
+replicas that disagree, staging isolation and corruption detection. A failure on any rank at any step is checked
+exhaustively, on both, in test_protocol_faults.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -21,27 +23,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import refdcp
-from refdcp.comm import FakeWorld, RankFailures
+from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 
-from ._both import IMPLS, Entry, check_loaded, models, state_for
-
-pytestmark = pytest.mark.parametrize("impl", sorted(IMPLS))
+from ._both import Entry, check_loaded, models, state_for
 
 
-def _save(impl: str, model: list[Entry], world: int, path: str, **kw: Any) -> list[Any]:
-    api = IMPLS[impl]
+def _save(impl: ModuleType, model: list[Entry], world: int, path: str, **kw: Any) -> list[Any]:
     return FakeWorld(world).run(
-        lambda c: api.save(state_for(model, world, c.rank), checkpoint_id=path, comm=c, **kw)
+        lambda c: impl.save(state_for(model, world, c.rank), checkpoint_id=path, comm=c, **kw)
     )
 
 
-def _load(impl: str, model: list[Entry], world: int, path: str, **kw: Any) -> list[dict[str, Any]]:
-    api = IMPLS[impl]
+def _load(
+    impl: ModuleType, model: list[Entry], world: int, path: str, **kw: Any
+) -> list[dict[str, Any]]:
 
     def one(c: Any) -> dict[str, Any]:
         sd = state_for(model, world, c.rank, zeros=True)
-        api.load(sd, checkpoint_id=path, comm=c, **kw)
+        impl.load(sd, checkpoint_id=path, comm=c, **kw)
         return sd
 
     return FakeWorld(world).run(one)
@@ -50,7 +50,7 @@ def _load(impl: str, model: list[Entry], world: int, path: str, **kw: Any) -> li
 @pytest.mark.spec("REF-6", "RESHARD-4", "API-2", "FLAT-1", "PLAN-1")
 @given(model=models(), w_save=st.integers(1, 4), w_load=st.integers(1, 4))
 def test_round_trip_across_world_sizes(
-    impl: str, model: list[Entry], w_save: int, w_load: int
+    impl: ModuleType, model: list[Entry], w_save: int, w_load: int
 ) -> None:
     with tempfile.TemporaryDirectory() as path:
         _save(impl, model, w_save, path)
@@ -69,7 +69,9 @@ def _writers(path: str) -> dict[tuple[str, tuple[int, ...]], list[str]]:
 
 @pytest.mark.spec("REF-6", "DEDUP-1", "DEDUP-5", "META-1")
 @given(model=models(), world=st.integers(1, 4))
-def test_each_chunk_is_stored_once_by_one_rank(impl: str, model: list[Entry], world: int) -> None:
+def test_each_chunk_is_stored_once_by_one_rank(
+    impl: ModuleType, model: list[Entry], world: int
+) -> None:
     with tempfile.TemporaryDirectory() as path:
         _save(impl, model, world, path)
         md = refdcp.FileSystemReader(path).read_metadata()
@@ -91,7 +93,7 @@ def test_each_chunk_is_stored_once_by_one_rank(impl: str, model: list[Entry], wo
 @pytest.mark.spec("REF-6", "DEDUP-13", "SAVE-7", "STORE-3")
 @given(world=st.integers(2, 4), odd=st.integers(0, 3), tensor=st.booleans())
 def test_replicas_that_differ_fail_the_save_and_keep_the_old_checkpoint(
-    impl: str, world: int, odd: int, tensor: bool
+    impl: ModuleType, world: int, odd: int, tensor: bool
 ) -> None:
     odd %= world
     model = [Entry("replicated", torch.float32, 3, 2, 0)]
@@ -102,7 +104,7 @@ def test_replicas_that_differ_fail_the_save_and_keep_the_old_checkpoint(
         def differing(c: Any) -> Any:
             value: Any = torch.full((3, 2), float(c.rank == odd)) if tensor else [c.rank == odd, 1]
             sd = {"r0": torch.ones(3, 2), "x": value}
-            return IMPLS[impl].save(sd, checkpoint_id=path, comm=c)
+            return impl.save(sd, checkpoint_id=path, comm=c)
 
         with pytest.raises(CheckpointError) as info:  # the same error on every rank (ERR-1)
             FakeWorld(world).run(differing)
@@ -116,16 +118,16 @@ def test_replicas_that_differ_fail_the_save_and_keep_the_old_checkpoint(
 
 @pytest.mark.spec("REF-6", "STAGE-6")
 @given(model=models(max_entries=3))
-def test_a_staged_copy_is_what_gets_saved(impl: str, model: list[Entry]) -> None:
+def test_a_staged_copy_is_what_gets_saved(impl: ModuleType, model: list[Entry]) -> None:
     source = state_for(model, 1, 0)
     staged = refdcp.CpuStager().stage(source)
     for value in source.values():  # the training step changes the source after staging
         for t in _tensors(value):
             t.zero_() if t.dtype is not torch.bool else t.logical_not_()
     with tempfile.TemporaryDirectory() as path:
-        IMPLS[impl].save(staged, checkpoint_id=path, comm=refdcp.comm.SingleRank())
+        impl.save(staged, checkpoint_id=path, comm=refdcp.comm.SingleRank())
         sd = state_for(model, 1, 0, zeros=True)
-        IMPLS[impl].load(sd, checkpoint_id=path, comm=refdcp.comm.SingleRank())
+        impl.load(sd, checkpoint_id=path, comm=refdcp.comm.SingleRank())
         check_loaded(model, 1, 0, sd)
 
 
@@ -146,7 +148,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 @pytest.mark.spec("REF-6", "INTEG-3", "LOAD-10", "ERR-1")
 @given(model=models(max_entries=3), world=st.integers(1, 3), where=st.integers(0, 10**6))
 def test_a_flipped_byte_fails_the_load_on_every_rank(
-    impl: str, model: list[Entry], world: int, where: int
+    impl: ModuleType, model: list[Entry], world: int, where: int
 ) -> None:
     with tempfile.TemporaryDirectory() as path:
         _save(impl, model, world, path)
@@ -167,43 +169,3 @@ def test_a_flipped_byte_fails_the_load_on_every_rank(
             _load(impl, model, world, path)
         text = str(err.value)
         assert "CorruptionError" in text and info.relative_path in text
-
-
-@pytest.mark.spec("REF-6", "ERR-1", "SAVE-7", "STORE-3", "STORE-31")
-@given(world=st.integers(1, 4), rank=st.integers(0, 3), step=st.integers(0, 12))
-def test_a_failure_on_any_rank_at_any_step_fails_every_rank(
-    impl: str, world: int, rank: int, step: int
-) -> None:
-    rank %= world
-    model = [Entry("replicated", torch.float32, 2, 2, 0), Entry("rows", torch.int64, 5, 2, 1)]
-    newer = [Entry("replicated", torch.float32, 2, 2, 7), Entry("rows", torch.int64, 5, 2, 8)]
-    with tempfile.TemporaryDirectory() as path:
-        _save(impl, model, world, path)
-        before = sorted(os.listdir(path))
-
-        def fault(i: int, action: Any) -> None:
-            if i == step:
-                raise RuntimeError("planted")
-
-        def one(c: Any) -> Any:
-            sd = state_for(newer, world, c.rank)
-            kw = {"fault": fault} if c.rank == rank else {}
-            return IMPLS[impl].save(sd, checkpoint_id=path, comm=c, **kw)
-
-        # FakeWorld raises a CheckpointError only when every rank raised an equal one (ERR-1)
-        try:
-            FakeWorld(world).run(one)
-        except CheckpointError as exc:
-            assert list(exc.rank_failures) == [rank]
-            committed = exc.committed
-        except RankFailures as exc:  # after the commit point, others may have returned (SAVE-9)
-            failed = list(exc.exceptions.values())
-            assert all(isinstance(e, CheckpointError) and e.committed for e in failed), exc
-            committed = True
-        else:  # the fault came after the rank's last action: nothing failed
-            committed = True
-        if committed is False:
-            assert sorted(os.listdir(path)) == before
-        expect = newer if committed else model
-        for r, sd in enumerate(_load(impl, expect, world, path)):
-            check_loaded(expect, world, r, sd)

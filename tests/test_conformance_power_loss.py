@@ -26,6 +26,8 @@ from conformance.powerloss import POLICIES, Policy, Recorder, crash_state, diffe
 from conformance.runner import run_checks
 from tests.test_conformance_blind_spots import FileReader, by_id
 
+SINGLE_PATH = "the power-loss conformance model (CONF-58..60) judges storage backends, here refdcp's filesystem writer"
+
 pytestmark = pytest.mark.timeout(240)
 
 POWER = {"CONF-58", "CONF-59", "CONF-60"}

@@ -23,6 +23,8 @@ from refdcp.tools.cli import main as cli_main
 from refdcp.tools.convert import SAFETENSORS_DTYPES, ConvertError, convert, detect_format
 from refdcp.tools.spec_report import repo_root
 
+SINGLE_PATH = "tests the `refdcp convert` tool (TOOL-18..22), built on the default path"
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 #: Every dtype a plain CPU tensor can have that both DCP and torch.save hold.

@@ -23,6 +23,8 @@ from refdcp.tools.cli import main as cli_main
 from refdcp.tools.convert import INDEX_SUFFIX, ConvertError, convert, detect_format
 from tests.test_convert import _random, same
 
+SINGLE_PATH = "tests the `refdcp convert` tool (TOOL-32) against torch's Hugging Face storage"
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
 hf = pytest.importorskip("torch.distributed.checkpoint.hf_storage")
 

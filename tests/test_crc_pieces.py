@@ -29,6 +29,8 @@ from refdcp.storage import CorruptionError, FileSystemWriter
 from refdcp.storage.format.items import checksum_of, data_offset_of
 from tests.test_large_io import record_helper_pieces
 
+SINGLE_PATH = "tests the default path's pipelined CRC-32C on a helper thread (INTEG-11, LOAD-14, STORE-51), a speed idiom the reference does without (REF-7)"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is")
 
 MiB = 1 << 20

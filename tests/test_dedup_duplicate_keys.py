@@ -22,6 +22,8 @@ from refdcp.planning.dedup.classes import dedup_items
 from refdcp.planning.local_plan import block_digests, item_key, save_items
 from refdcp.reference.dedup import reference_dedup
 
+SINGLE_PATH = "pins the fast dedup's handling of a chunk listed twice (DEDUP-15); the reference's dedup is tested equal to it (REF-4)"
+
 
 def _plan(names: list[str]) -> list[WriteItem]:
     """Items named ``names`` in that order (a repeated name is a repeated key)."""

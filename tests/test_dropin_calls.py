@@ -1,9 +1,10 @@
-"""torch's call sites run unchanged against refdcp (API-9, API-11)."""
+"""torch's call sites run unchanged against both implementations (``impl``; API-9, API-11)."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -19,10 +20,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 @pytest.mark.spec("API-9")
-def test_save_without_collectives_writes_per_rank_metadata(tmp_path: Path) -> None:
+def test_save_without_collectives_writes_per_rank_metadata(
+    impl: ModuleType, tmp_path: Path
+) -> None:
     def rank(comm: Any) -> Any:
         sd = {"w": torch.full((2,), float(comm.rank))}
-        return refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
+        return impl.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
 
     mds = FakeWorld(3).run(rank)
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -38,23 +41,25 @@ def test_save_without_collectives_writes_per_rank_metadata(tmp_path: Path) -> No
 
 
 @pytest.mark.spec("API-9")
-def test_save_without_collectives_matches_torchs_layout(tmp_path: Path) -> None:
+def test_save_without_collectives_matches_torchs_layout(impl: ModuleType, tmp_path: Path) -> None:
     sd = {"w": torch.arange(4.0)}
     dcp.save(sd, checkpoint_id=tmp_path / "t", no_dist=True, use_collectives=False)
-    refdcp.save(sd, checkpoint_id=tmp_path / "r", no_dist=True, use_collectives=False)
+    impl.save(sd, checkpoint_id=tmp_path / "r", no_dist=True, use_collectives=False)
     t = sorted(p.name for p in (tmp_path / "t").iterdir() if p.name.endswith("metadata"))
     r = sorted(p.name for p in (tmp_path / "r").iterdir() if p.name.endswith("metadata"))
     assert t == r == ["__0.metadata"]
 
 
 @pytest.mark.spec("API-9", "ERR-1")
-def test_save_without_collectives_failure_reaches_every_rank(tmp_path: Path) -> None:
+def test_save_without_collectives_failure_reaches_every_rank(
+    impl: ModuleType, tmp_path: Path
+) -> None:
     def rank(comm: Any) -> str:
         sd: dict[str, Any] = {"w": torch.ones(2)}
         if comm.rank == 1:
             sd["bad"] = lambda: None
         with pytest.raises(CheckpointError) as err:
-            refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
+            impl.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
         return str(sorted(err.value.rank_failures))
 
     assert FakeWorld(2).run(rank) == ["[1]", "[1]"]
@@ -62,9 +67,9 @@ def test_save_without_collectives_failure_reaches_every_rank(tmp_path: Path) -> 
 
 @pytest.mark.spec("API-11")
 @pytest.mark.parametrize("kind", [AsyncCheckpointerType.THREAD, "thread"])
-def test_async_save_takes_torchs_names(tmp_path: Path, kind: Any) -> None:
+def test_async_save_takes_torchs_names(impl: ModuleType, tmp_path: Path, kind: Any) -> None:
     stager = refdcp.CpuStager(cache_staged_state_dict=True)
-    handle = refdcp.async_save(
+    handle = impl.async_save(
         {"w": torch.ones(3)},
         checkpoint_id=tmp_path,
         async_stager=stager,
@@ -73,14 +78,14 @@ def test_async_save_takes_torchs_names(tmp_path: Path, kind: Any) -> None:
     )
     handle.result()
     dest = {"w": torch.zeros(3)}
-    refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True)
+    impl.load(dest, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(dest["w"], torch.ones(3))
 
 
 @pytest.mark.spec("API-11")
-def test_async_save_rejects_conflicting_spellings(tmp_path: Path) -> None:
+def test_async_save_rejects_conflicting_spellings(impl: ModuleType, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="disagree"):
-        refdcp.async_save(
+        impl.async_save(
             {"w": torch.ones(1)},
             checkpoint_id=tmp_path,
             executor="thread",
@@ -88,7 +93,7 @@ def test_async_save_rejects_conflicting_spellings(tmp_path: Path) -> None:
             no_dist=True,
         )
     with pytest.raises(ValueError, match="stager once"):
-        refdcp.async_save(
+        impl.async_save(
             {"w": torch.ones(1)},
             checkpoint_id=tmp_path,
             stager=refdcp.CpuStager(),
@@ -96,13 +101,17 @@ def test_async_save_rejects_conflicting_spellings(tmp_path: Path) -> None:
             no_dist=True,
         )
     with pytest.raises(ValueError, match="async_checkpointer_type"):
-        refdcp.async_save(
-            {"w": torch.ones(1)}, checkpoint_id=tmp_path, async_checkpointer_type="gpu", no_dist=True
+        impl.async_save(
+            {"w": torch.ones(1)},
+            checkpoint_id=tmp_path,
+            async_checkpointer_type="gpu",
+            no_dist=True,
         )
 
 
 @pytest.mark.spec("API-10")
 def test_unimplemented_torch_writer_options_are_refused(tmp_path: Path) -> None:
+    # single path: the options of refdcp's own FileSystemWriter class (the fast path's storage)
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
     with pytest.raises(ValueError, match="TORCH_SAVE"):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pickle
+from types import ModuleType
 
 import pytest
 
+import refdcp
 import refdcp.errors as errors
 from refdcp.comm.fake import CollectiveMismatch as FakeCollectiveMismatch
 from refdcp.comm.fake import RankFailures
@@ -65,3 +67,16 @@ def test_problems_error_is_a_refdcp_error_and_a_value_error() -> None:
     assert isinstance(err, errors.RefdcpError) and isinstance(err, ValueError)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is PlanValidationError and back.problems == ["a", "b"]
+
+
+@pytest.mark.spec("ERR-6", "REF-1")
+def test_both_implementations_export_the_same_error_classes(impl: ModuleType) -> None:
+    """A caller catches the same classes whichever implementation it imports (one hierarchy)."""
+    exported = [
+        n
+        for n in refdcp.__all__
+        if isinstance(getattr(refdcp, n), type) and issubclass(getattr(refdcp, n), BaseException)
+    ]
+    assert {"CheckpointError", "RefdcpError", "CorruptionError"} <= set(exported)
+    missing = [n for n in exported if getattr(impl, n, None) is not getattr(refdcp, n)]
+    assert missing == [], f"{impl.__name__} does not re-export {missing}"

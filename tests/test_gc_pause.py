@@ -14,6 +14,8 @@ import torch
 import refdcp
 from refdcp.driver.gcpause import gc_paused
 
+SINGLE_PATH = "tests the default path pausing the garbage collector (API-20), a speed idiom the reference does without (REF-7)"
+
 
 class _Probe(refdcp.DefaultSavePlanner):
     """Records whether the collector was enabled while the save planned."""

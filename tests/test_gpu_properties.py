@@ -16,6 +16,8 @@ import torch
 
 from refdcp.staging import CpuStager, CudaAsyncStager
 
+SINGLE_PATH = "GPU harness properties run by make test-gpu (HARN-16..18) on the default path"
+
 NO_CUDA = "needs CUDA (run by make test-gpu on a GPU machine)"
 
 pytestmark = [

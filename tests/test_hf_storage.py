@@ -40,6 +40,8 @@ from refdcp.errors import CheckpointError
 from refdcp.storage.select import select_reader
 from tests.test_storage_compat import bits, make_tensor
 
+SINGLE_PATH = "torch's Hugging Face storage read by refdcp's load (API-25): a differential test against torch's own load"
+
 pytest.importorskip("safetensors")
 hf = pytest.importorskip("torch.distributed.checkpoint.hf_storage")
 

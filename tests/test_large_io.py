@@ -25,6 +25,8 @@ from refdcp.storage import CorruptionError, FileSystemWriter
 from refdcp.storage.format.items import checksum_of, data_offset_of, raw_view
 from refdcp.storage.verify import verify_checkpoint
 
+SINGLE_PATH = "tests the default path's large-item CRC kernel and helper-thread check (INTEG-9, LOAD-13, INTEG-10), speed idioms the reference does without (REF-7)"
+
 MiB = 1 << 20
 
 

@@ -1,4 +1,4 @@
-"""What a plain refdcp.load detects and accepts by default (LOAD-7..10)."""
+"""What a plain load of either implementation (``impl``) detects and accepts by default (LOAD-7..10)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pathlib
 import uuid
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
-from refdcp.storage import CorruptionError, FileSystemWriter
+from refdcp.storage import CorruptionError
 from refdcp.storage.metadata.safe_globals import UnsafeObjectError, default_safe_globals
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -72,15 +73,15 @@ def _torch_save_dcp(sd: dict[str, Any], path: Path) -> None:
 
 @pytest.mark.spec("LOAD-7")
 @pytest.mark.parametrize("writer", ["refdcp", "torch"])
-def test_common_data_values_load_by_default(tmp_path: Path, writer: str) -> None:
+def test_common_data_values_load_by_default(impl: ModuleType, tmp_path: Path, writer: str) -> None:
     saved = {"w": torch.ones(2), **_data_values()}
     if writer == "refdcp":
-        refdcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+        impl.save(saved, checkpoint_id=tmp_path, no_dist=True)
     else:
         _torch_save_dcp(saved, tmp_path)
     dest: dict[str, Any] = {k: None for k in saved}
     dest["w"] = torch.zeros(2)
-    refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True)
+    impl.load(dest, checkpoint_id=tmp_path, no_dist=True)
     for k, v in saved.items():
         if k != "w":
             assert _equal(v, dest[k]), k
@@ -89,6 +90,7 @@ def test_common_data_values_load_by_default(tmp_path: Path, writer: str) -> None
 
 @pytest.mark.spec("LOAD-7")
 def test_allow_list_holds_no_code_running_callables() -> None:
+    # single path: default_safe_globals is the default path's allow list
     import builtins
 
     names = set()
@@ -102,15 +104,15 @@ def test_allow_list_holds_no_code_running_callables() -> None:
 
 
 @pytest.mark.spec("LOAD-8", "LOAD-9", "LOAD-18")
-def test_refused_value_names_key_class_and_option(tmp_path: Path) -> None:
+def test_refused_value_names_key_class_and_option(impl: ModuleType, tmp_path: Path) -> None:
     # the save must be told the classes are allowed (SAVE-12); a load without them refuses
-    saver = refdcp.DefaultSavePlanner(safe_globals=[Config, Color])
-    refdcp.save(
+    saver = impl.DefaultSavePlanner(safe_globals=[Config, Color])
+    impl.save(
         {"cfg": Config(), "color": Color.RED}, checkpoint_id=tmp_path, no_dist=True, planner=saver
     )
     dest: dict[str, Any] = {"cfg": None}
     with pytest.raises(CheckpointError) as err:
-        refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True)
+        impl.load(dest, checkpoint_id=tmp_path, no_dist=True)
     (exc,) = [f.exception for f in err.value.rank_failures.values()]
     assert isinstance(exc, UnsafeObjectError)
     msg = str(exc)
@@ -118,22 +120,22 @@ def test_refused_value_names_key_class_and_option(tmp_path: Path) -> None:
     assert exc.fqn == "cfg" and exc.refused == f"{__name__}.Config"
     assert dest == {"cfg": None}  # nothing applied (LOAD-5)
     # the option the message names makes it load
-    refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True, safe_globals=[Config])
+    impl.load(dest, checkpoint_id=tmp_path, no_dist=True, safe_globals=[Config])
     assert dest["cfg"] == Config()
     dest2: dict[str, Any] = {"color": None}
-    planner = refdcp.DefaultLoadPlanner(safe_globals=[Color])
-    refdcp.load(dest2, checkpoint_id=tmp_path, no_dist=True, planner=planner)
+    planner = impl.DefaultLoadPlanner(safe_globals=[Color])
+    impl.load(dest2, checkpoint_id=tmp_path, no_dist=True, planner=planner)
     assert dest2["color"] is Color.RED
 
 
 @pytest.mark.spec("LOAD-9")
-def test_refused_value_fails_every_rank(tmp_path: Path) -> None:
-    saver = refdcp.DefaultSavePlanner(safe_globals=[Config])
-    refdcp.save({"cfg": Config()}, checkpoint_id=tmp_path, no_dist=True, planner=saver)
+def test_refused_value_fails_every_rank(impl: ModuleType, tmp_path: Path) -> None:
+    saver = impl.DefaultSavePlanner(safe_globals=[Config])
+    impl.save({"cfg": Config()}, checkpoint_id=tmp_path, no_dist=True, planner=saver)
 
     def rank(comm: Any) -> str:
         with pytest.raises(CheckpointError) as err:
-            refdcp.load({"cfg": None}, checkpoint_id=tmp_path, comm=comm)
+            impl.load({"cfg": None}, checkpoint_id=tmp_path, comm=comm)
         return str(err.value.rank_failures[0].exception)
 
     assert all("safe_globals=" in m for m in FakeWorld(2).run(rank))
@@ -151,31 +153,33 @@ def _flip_data_byte(path: Path, md: Any, fqn: str) -> None:
 
 @pytest.mark.spec("LOAD-10")
 @pytest.mark.parametrize("size", [16, (3 << 20) // 4])  # one piece; several pieces
-def test_flipped_data_byte_fails_a_plain_load(tmp_path: Path, size: int) -> None:
+def test_flipped_data_byte_fails_a_plain_load(impl: ModuleType, tmp_path: Path, size: int) -> None:
     src = {"w": torch.arange(size, dtype=torch.float32), "v": torch.ones(3)}
-    md = refdcp.save(src, storage_writer=FileSystemWriter(tmp_path, sync_files=False), no_dist=True)
+    md = impl.save(
+        src, storage_writer=impl.FileSystemWriter(tmp_path, sync_files=False), no_dist=True
+    )
     _flip_data_byte(tmp_path, md, "w")
     dest = {"w": torch.zeros(size), "v": torch.zeros(3)}
     with pytest.raises(CheckpointError) as err:
-        refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True)
+        impl.load(dest, checkpoint_id=tmp_path, no_dist=True)
     exc = err.value.rank_failures[0].exception
     assert isinstance(exc, CorruptionError) and exc.fqn == "w" and exc.file.endswith(".distcp")
     # the opt-out reads the damaged bytes without checking
-    refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True, verify=False)
+    impl.load(dest, checkpoint_id=tmp_path, no_dist=True, verify=False)
     assert not torch.equal(dest["w"], src["w"])
 
 
 @pytest.mark.spec("LOAD-10", "LOAD-17")
-def test_default_check_covers_resharded_and_memory_reads(tmp_path: Path) -> None:
+def test_default_check_covers_resharded_and_memory_reads(impl: ModuleType, tmp_path: Path) -> None:
     full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
-    md = refdcp.save(
-        {"w": full}, storage_writer=FileSystemWriter(tmp_path, sync_files=False), no_dist=True
+    md = impl.save(
+        {"w": full}, storage_writer=impl.FileSystemWriter(tmp_path, sync_files=False), no_dist=True
     )
 
     def rank(comm: Any) -> torch.Tensor:
         rows = torch.zeros(32, 16)
-        shards = refdcp.LocalShards((64, 16), [((32 * comm.rank, 0), rows)])
-        refdcp.load({"w": shards}, checkpoint_id=str(tmp_path), comm=comm)
+        shards = impl.LocalShards((64, 16), [((32 * comm.rank, 0), rows)])
+        impl.load({"w": shards}, checkpoint_id=str(tmp_path), comm=comm)
         return rows
 
     got = FakeWorld(2).run(rank)
@@ -184,21 +188,23 @@ def test_default_check_covers_resharded_and_memory_reads(tmp_path: Path) -> None
     with pytest.raises(CheckpointError):
         FakeWorld(2).run(rank)
     storage = refdcp.MemoryStorage()
-    refdcp.save({"w": full}, storage_writer=storage.writer("c"), no_dist=True)
+    impl.save({"w": full}, storage_writer=storage.writer("c"), no_dist=True)
     data = storage._snapshot("c").files
     name = next(n for n in data if n.endswith(".distcp"))
     raw = bytearray(data[name])
     raw[-100] ^= 1
     data[name] = bytes(raw)
     with pytest.raises(CheckpointError, match="checksum"):
-        refdcp.load({"w": torch.zeros(64, 16)}, storage_reader=storage.reader("c"), no_dist=True)
+        impl.load({"w": torch.zeros(64, 16)}, storage_reader=storage.reader("c"), no_dist=True)
 
 
 @pytest.mark.spec("LOAD-10")
-def test_torch_written_checkpoint_loads_unchecked_by_default(tmp_path: Path) -> None:
+def test_torch_written_checkpoint_loads_unchecked_by_default(
+    impl: ModuleType, tmp_path: Path
+) -> None:
     _torch_save_dcp({"w": torch.ones(4)}, tmp_path)
     dest = {"w": torch.zeros(4)}
-    refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True)
+    impl.load(dest, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(dest["w"], torch.ones(4))
     with pytest.raises(CheckpointError, match="no checksum"):
-        refdcp.load(dest, checkpoint_id=tmp_path, no_dist=True, verify=True)
+        impl.load(dest, checkpoint_id=tmp_path, no_dist=True, verify=True)

@@ -1,4 +1,5 @@
-"""The fast ``.metadata`` pickler writes exactly ``pickle.dumps(Metadata)`` (FMT-1)."""
+"""The fast ``.metadata`` pickler writes exactly ``pickle.dumps(Metadata)``, and a ``.metadata``
+either implementation saves (``impl``) is a plain pickle torch loads (FMT-1)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pickle
 import tempfile
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,7 +25,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-import refdcp
 from refdcp.storage.metadata.pickler import dumps_metadata, fast_reducers
 from refdcp.storage.metadata.safe import TRAILER_PREFIX, load_metadata
 
@@ -63,6 +64,10 @@ def _metadata() -> Metadata:
     )
     meta.refdcp_format = 1  # type: ignore[attr-defined]
     return meta
+
+
+# The next four tests are single path: they check the default path's fast pickler
+# (dumps_metadata); the last test saves through both implementations.
 
 
 @pytest.mark.spec("FMT-1")
@@ -118,11 +123,11 @@ def test_subclass_records_take_pickles_default_path() -> None:
 
 
 @pytest.mark.spec("FMT-1", "INTEG-2")
-def test_saved_metadata_is_pickle_dumps_and_torch_loads_it() -> None:
+def test_saved_metadata_is_pickle_dumps_and_torch_loads_it(impl: ModuleType) -> None:
     sd = {f"m.p{i}": torch.full((3,), float(i)) for i in range(50)}
     sd["step"] = 7  # type: ignore[assignment]
     with tempfile.TemporaryDirectory() as d:
-        refdcp.save(sd, checkpoint_id=d, no_dist=True)
+        impl.save(sd, checkpoint_id=d, no_dist=True)
         data = (Path(d) / ".metadata").read_bytes()
         body = data[: data.rindex(TRAILER_PREFIX)]
         md = pickle.loads(body)  # plain pickle, as torch's reader does

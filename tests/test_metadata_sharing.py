@@ -12,6 +12,8 @@ import torch.distributed.checkpoint as tdcp
 import refdcp
 from refdcp.storage.metadata.safe import load_metadata
 
+SINGLE_PATH = "META-8's shared metadata objects are the default path's pickle-size optimisation"
+
 
 @pytest.mark.spec("META-8")
 def test_equal_properties_and_sizes_are_one_object(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ import refdcp
 from refdcp.planning.flatten import RESERVED_KEY, flatten_state_dict, set_by_rich_path
 from refdcp.reference import api as reference_api
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 
 def _plain_id(value: object) -> str:
     """A test id of letters, digits and underscores only (the mutation runner selects by id)."""

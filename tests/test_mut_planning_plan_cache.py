@@ -23,6 +23,8 @@ import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.planning import DefaultSavePlanner, LocalShards
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 

@@ -16,6 +16,8 @@ from refdcp.reference import ReferenceReader, ReferenceWriter
 from refdcp.reference.load_planner import ReferenceLoadPlanner
 from refdcp.reference.save_planner import ReferenceSavePlanner
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 
 @pytest.mark.spec("API-5", "REF-1")
 def test_a_storage_writer_or_reader_stands_for_checkpoint_id(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ from refdcp.storage import (
     UnsafePathError,
 )
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 
 def _saved(path: Path, sd: dict[str, Any] | None = None) -> None:
     refdcp.reference.save(sd or {"w": torch.arange(4.0)}, checkpoint_id=path, comm=SingleRank())

@@ -21,6 +21,8 @@ from refdcp.reference import ReferenceReader
 from refdcp.reference import format as fmt
 from refdcp.reference.load_planner import ReferenceLoadPlanner, reads_for_chunk
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 
 def _saved(tmp_path: Path, sd: dict[str, Any]) -> Any:
     refdcp.reference.save(sd, checkpoint_id=tmp_path, comm=SingleRank())

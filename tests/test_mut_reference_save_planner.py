@@ -15,6 +15,8 @@ import refdcp.reference
 from refdcp.comm import FakeWorld
 from refdcp.reference.save_planner import ReferenceSavePlanner, _tensor_item, write_items
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 
 def _sd(rank: int) -> dict[str, Any]:
     return {"w": torch.ones(2), "m": {rank: torch.ones(1)}, "e": {}, "lst": (torch.ones(1),)}

@@ -49,6 +49,8 @@ from refdcp.reference.load_planner import (
 from refdcp.reference.save_planner import ReferenceSavePlanner, chunk_of, write_items
 from refdcp.storage.errors import UnsafeObjectError
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 
 def dtensor(local: torch.Tensor, shape: tuple[int, ...], mesh: list[int], rank: int) -> Any:
     """A DTensor sharded on dim 0 over ``mesh`` as seen by ``rank`` (no process group)."""

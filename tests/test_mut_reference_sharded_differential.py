@@ -46,6 +46,8 @@ from .test_mut_reference_sharded import (
     sharded,
 )
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 __all__ = ["one_rank_group"]  # the fixture, used by name
 
 

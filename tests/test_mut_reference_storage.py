@@ -16,6 +16,8 @@ from refdcp.comm import FakeWorld, SingleRank
 from refdcp.reference import ReferenceReader, ReferenceWriter
 from refdcp.reference.save_planner import ReferenceSavePlanner
 
+SINGLE_PATH = "mutation-kill tests pinning refdcp/reference itself (tests/MUTATION.md); they target the reference module, not an implementation choice"
+
 
 @pytest.mark.spec("REF-1", "SAVE-1", "STORE-2")
 def test_a_save_creates_missing_directories_and_records_its_id(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ from refdcp.storage.errors import CorruptionError
 from refdcp.storage.fs.checked_read import PIECE_BYTES, read_checked_into
 from refdcp.storage.metadata.safe import load_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 BASE = 100  # the item starts this far into the file

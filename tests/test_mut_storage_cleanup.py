@@ -27,6 +27,8 @@ from refdcp.storage.fs.cleanup import (
 )
 from refdcp.storage.fs.lock import acquire_save_lock
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 A, B, C, OWN = "aaaaaaaaaaaa", "bbbbbbbbbbbb", "0123456789cd", "ffffffffffff"

@@ -19,6 +19,8 @@ from refdcp.errors import RefdcpError
 from refdcp.storage import FileSystemReader
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

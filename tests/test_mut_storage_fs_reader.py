@@ -27,6 +27,8 @@ from refdcp.storage.format import layout
 from refdcp.storage.format.items import DATA_OFFSET_ATTR, INPLACE_MIN_BYTES
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

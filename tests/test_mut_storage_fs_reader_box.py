@@ -24,6 +24,8 @@ from refdcp.errors import RefdcpError
 from refdcp.storage import FileSystemReader, FileSystemWriter
 from tests.test_mut_storage_fs_reader_checks import _Fixed, _save
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 
 def _write(root: Path, saved: torch.Tensor, writer: str) -> None:
     if writer == "refdcp":

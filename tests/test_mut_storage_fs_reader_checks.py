@@ -30,6 +30,8 @@ from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR, INPLACE_MIN_
 from refdcp.storage.fs import filesystem as fs
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

@@ -29,6 +29,8 @@ from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from tests.test_mut_storage_fs_reader_checks import _python_peak
 from tests.test_stream_transforms import Xor, _registry
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled", "ignore:.*quantiz.*:UserWarning"
 )

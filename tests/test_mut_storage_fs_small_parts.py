@@ -11,6 +11,8 @@ import torch
 import refdcp
 from refdcp.storage.fs import filesystem
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 
 @pytest.mark.spec("STORE-11", "STORE-60")
 @pytest.mark.parametrize("sync_files", [True, False])

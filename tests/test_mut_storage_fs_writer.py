@@ -38,6 +38,8 @@ from refdcp.storage.fs import filesystem as fs_module
 from refdcp.storage.fs.commit_mark import declared
 from refdcp.storage.metadata.safe import load_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 MIB = 1 << 20

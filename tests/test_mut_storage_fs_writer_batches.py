@@ -32,6 +32,8 @@ from refdcp.storage.format.small_tensors import small_tensor_parts
 from refdcp.storage.fs import filesystem as fs_module
 from refdcp.storage.metadata.safe import load_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 MIB = 1 << 20

@@ -25,6 +25,8 @@ from refdcp.storage.format import layout
 from refdcp.storage.fs import cleanup
 from refdcp.storage.fs import filesystem as fs_module
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

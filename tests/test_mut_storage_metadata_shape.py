@@ -39,6 +39,8 @@ from refdcp.storage.metadata.limits import MetadataLimits
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.metadata.shape import check_metadata
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 LIMITS = MetadataLimits()

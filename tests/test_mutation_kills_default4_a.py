@@ -36,6 +36,8 @@ from refdcp.storage.fs import inplace
 from refdcp.storage.fs.filesystem import FileSystemReader, FileSystemWriter
 from refdcp.storage.fs.inplace import locate_tensor_data
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 

@@ -26,6 +26,8 @@ from refdcp.storage import FileSystemReader, FileSystemWriter
 from refdcp.storage.errors import CorruptionError
 from refdcp.storage.fs.inplace import locate_tensor_data
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 PAD = 4096 + 17  # the item starts this far into its file

@@ -30,6 +30,8 @@ from refdcp.storage.fs.inplace import locate_tensor_data
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.verify import verify_checkpoint, verify_ranges
 
+SINGLE_PATH = "mutation-kill tests pinning one module of the default path (tests/MUTATION.md); the behaviour runs on both in the shared suites"
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 

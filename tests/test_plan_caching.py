@@ -15,6 +15,8 @@ from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 from refdcp.planning import DefaultSavePlanner, LocalShards
 
+SINGLE_PATH = "plan caching (PLAN-9..12) is a speed feature of the default planners"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 

@@ -21,6 +21,8 @@ from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
 from refdcp.planning.flatten import RESERVED_KEY
 from refdcp.planning.simulate import simulate_load, simulate_save
 
+SINGLE_PATH = "differential: refdcp's default planners against torch's (PLAN-8); the reference's planners are compared in test_reference_differential*"
+
 warnings.filterwarnings("ignore", message="torch.distributed is")
 
 SAVERS: dict[str, Callable[[], Any]] = {

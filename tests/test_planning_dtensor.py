@@ -10,6 +10,8 @@ import torch
 
 from refdcp.testing.spawn import run_gloo
 
+SINGLE_PATH = "refdcp's default planners inside torch's dcp under spawned Gloo ranks (PLAN-2): a differential test against torch"
+
 pytestmark = pytest.mark.dist
 
 

@@ -24,6 +24,8 @@ from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner, LocalShards
 from refdcp.planning.resharding import read_items_for_chunks
 from refdcp.planning.simulate import simulate_load, simulate_save
 
+SINGLE_PATH = "tests the default planner's read boxes (RESHARD-*); the reference's boxes are tested equal to them (REF-4, test_reference_differential_planning)"
+
 DTYPES = [
     torch.float32,
     torch.bfloat16,

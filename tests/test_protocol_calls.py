@@ -1,10 +1,10 @@
 """Which rank calls which planner and storage method, in which order, with what.
 
-Recording subclasses of refdcp's planners and in-memory storage log every
-protocol call; a save and a load run under ``FakeWorld`` (threads and real
-collectives) and under the single-thread simulator, and the logs are checked
-against SAVE-1..5, LOAD-1..4 and PROTO-2. ERR-2 and ERR-3 are checked on the
-error type at the end.
+Recording subclasses of each implementation's planners (``impl``) and of the in-memory
+storage log every protocol call; a save and a load run under ``FakeWorld`` (threads and
+real collectives) on both implementations, and on the default path also under the
+single-thread simulator, and the logs are checked against SAVE-1..5, LOAD-1..4 and
+PROTO-2. ERR-2 and ERR-3 are checked on the error type at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import functools
 import pickle
 import threading
 import traceback
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -52,7 +53,10 @@ def _summary(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any)
         return _keys(out)
     if name in ("create_global_plan", "prepare_global_plan"):
         plans = out[0] if isinstance(out, tuple) else out
-        return ([_keys(p) for p in _arg(args, kwargs, 0, "plans", "all_plans")], [_keys(p) for p in plans])
+        return (
+            [_keys(p) for p in _arg(args, kwargs, 0, "plans", "all_plans")],
+            [_keys(p) for p in plans],
+        )
     if name in ("write_data", "read_data"):
         return _keys(_arg(args, kwargs, 0, "plan"))
     if name == "finish":
@@ -103,6 +107,19 @@ RSavePlanner = _recording(DefaultSavePlanner, "planner")
 RLoadPlanner = _recording(DefaultLoadPlanner, "planner")
 RWriter = _recording(MemoryWriter, "writer")
 RReader = _recording(MemoryReader, "reader")
+#: recording planners of each implementation, by module name
+_PLANNERS: dict[str, tuple[type, type]] = {
+    refdcp.__name__: (RSavePlanner, RLoadPlanner),
+}
+
+
+def _planners(impl: ModuleType) -> tuple[type, type]:
+    if impl.__name__ not in _PLANNERS:
+        _PLANNERS[impl.__name__] = (
+            _recording(impl.DefaultSavePlanner, "planner"),
+            _recording(impl.DefaultLoadPlanner, "planner"),
+        )
+    return _PLANNERS[impl.__name__]
 
 
 def _tag(obj: Any, rank: int, log: list[Entry], lock: threading.Lock) -> Any:
@@ -134,7 +151,16 @@ def dest(rank: int) -> dict[str, Any]:
     return {"shared": torch.zeros(6), f"own{rank}": torch.zeros(2), "counter": Counter(0)}
 
 
-def _save_and_load_fakeworld() -> tuple[list[Entry], list[Entry], list[dict[str, Any]]]:
+_LOGS: dict[str, tuple[list[Entry], list[Entry], list[dict[str, Any]]]] = {}
+
+
+def _save_and_load_fakeworld(
+    impl: ModuleType,
+) -> tuple[list[Entry], list[Entry], list[dict[str, Any]]]:
+    """The call logs of one FakeWorld save and load through ``impl``, made once per module."""
+    if impl.__name__ in _LOGS:
+        return _LOGS[impl.__name__]
+    save_planner, load_planner = _planners(impl)
     storage = MemoryStorage()
     save_log: list[Entry] = []
     load_log: list[Entry] = []
@@ -144,23 +170,25 @@ def _save_and_load_fakeworld() -> tuple[list[Entry], list[Entry], list[dict[str,
     def save_rank(comm: Any) -> Any:
         r = comm.rank
         w = _tag(RWriter(storage, "ck"), r, save_log, lock)
-        p = _tag(RSavePlanner(), r, save_log, lock)
-        return refdcp.save(state(r), storage_writer=w, planner=p, comm=comm)
+        p = _tag(save_planner(), r, save_log, lock)
+        return impl.save(state(r), storage_writer=w, planner=p, comm=comm)
 
     def load_rank(comm: Any) -> None:
         r = comm.rank
         rd = _tag(RReader(storage, "ck"), r, load_log, lock)
-        p = _tag(RLoadPlanner(), r, load_log, lock)
-        refdcp.load(dests[r], storage_reader=rd, planner=p, comm=comm)
+        p = _tag(load_planner(), r, load_log, lock)
+        impl.load(dests[r], storage_reader=rd, planner=p, comm=comm)
 
     FakeWorld(WORLD).run(save_rank)
     FakeWorld(WORLD).run(load_rank)
-    return save_log, load_log, dests
+    _LOGS[impl.__name__] = (save_log, load_log, dests)
+    return _LOGS[impl.__name__]
 
 
 @pytest.fixture(scope="module")
-def fakeworld_logs() -> tuple[list[Entry], list[Entry], list[dict[str, Any]]]:
-    return _save_and_load_fakeworld()
+def fakeworld_logs(impl: ModuleType) -> tuple[list[Entry], list[Entry], list[dict[str, Any]]]:
+    """The logs of ``impl``: every test that takes them runs on both implementations."""
+    return _save_and_load_fakeworld(impl)
 
 
 def _calls(log: list[Entry], rank: int) -> list[str]:
@@ -261,8 +289,9 @@ def test_load_plans_flow_through_the_coordinator(fakeworld_logs: Any) -> None:
 
 
 @pytest.mark.spec("PROTO-2")
-def test_simulator_and_communicator_driver_make_the_same_calls(fakeworld_logs: Any) -> None:
+def test_simulator_and_communicator_driver_make_the_same_calls() -> None:
     """Both drivers execute the same actions: per rank, the same calls in the same order."""
+    # single path: the simulator drives the default path's step bodies (SaveContext/LoadContext)
     storage = MemoryStorage()
     log: list[Entry] = []
     lock = threading.Lock()
@@ -291,7 +320,7 @@ def test_simulator_and_communicator_driver_make_the_same_calls(fakeworld_logs: A
         for r in range(WORLD)
     ]
     assert not simulate(LOAD, loads).errors()
-    fw_save, fw_load, _ = fakeworld_logs
+    fw_save, fw_load, _ = _save_and_load_fakeworld(refdcp)
     for r in range(WORLD):
         assert _calls(log, r) == _calls(fw_save, r)
         assert _calls(load_log, r) == _calls(fw_load, r)
@@ -361,12 +390,12 @@ def test_refdcp_errors_survive_pickling() -> None:
 
 
 @pytest.mark.spec("LOAD-1", "FLAT-3")
-def test_load_accepts_top_level_keys_of_mixed_types() -> None:
+def test_load_accepts_top_level_keys_of_mixed_types(impl: ModuleType) -> None:
     storage = MemoryStorage()
     sd: dict[Any, Any] = {"a": torch.ones(2), 1: torch.full((2,), 2.0), None: 7}
-    refdcp.save(sd, storage_writer=storage.writer("mixed"), no_dist=True)
+    impl.save(sd, storage_writer=storage.writer("mixed"), no_dist=True)
     out: dict[Any, Any] = {"a": torch.zeros(2), 1: torch.zeros(2), None: 0}
-    refdcp.load(out, storage_reader=storage.reader("mixed"), no_dist=True)
+    impl.load(out, storage_reader=storage.reader("mixed"), no_dist=True)
     assert list(out) == ["a", 1, None]
     assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out[1], torch.full((2,), 2.0))
     assert out[None] == 7
@@ -374,7 +403,7 @@ def test_load_accepts_top_level_keys_of_mixed_types() -> None:
 
 @pytest.mark.spec("PROTO-7", "ERR-1")
 @pytest.mark.timeout(60)
-def test_a_fault_hook_that_keeps_raising_ends_in_an_error() -> None:
+def test_a_fault_hook_that_keeps_raising_ends_in_an_error(impl: ModuleType) -> None:
     storage = MemoryStorage()
 
     def always(index: int, action: Any) -> None:
@@ -383,7 +412,7 @@ def test_a_fault_hook_that_keeps_raising_ends_in_an_error() -> None:
 
     def rank(comm: Any) -> Any:
         hook = always if comm.rank == 1 else None
-        return refdcp.save(
+        return impl.save(
             state(comm.rank), storage_writer=storage.writer("spin"), comm=comm, fault=hook
         )
 

@@ -6,6 +6,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -121,6 +122,9 @@ def test_equal_replicated_items_are_spread_evenly_largest_first() -> None:
 
 
 # -- end to end: bit-exact, bytes read once ------------------------------------------------
+# The bit-exact property runs on both implementations (``impl``); the tests below it that
+# count the bytes each rank reads, name the rank whose read failed or configure the planner's
+# read_once are single path: reading once is the default path's bandwidth feature.
 
 
 def _values(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -170,11 +174,13 @@ def _dense(value: Any) -> Any:
     return value
 
 
-def _load_all(path: Path, layout: Any, world: int, read_once: bool, **kw: Any) -> list[Any]:
+def _load_all(
+    path: Path, layout: Any, world: int, read_once: bool, impl: ModuleType = refdcp, **kw: Any
+) -> list[Any]:
     def rank(comm: Any) -> Any:
         sd = _state(layout, world, comm.rank, fill=False)
-        reader = CountingReader(refdcp.FileSystemReader(path))
-        refdcp.load(sd, storage_reader=reader, comm=comm, read_once=read_once, **kw)
+        reader = CountingReader(impl.FileSystemReader(path))
+        impl.load(sd, storage_reader=reader, comm=comm, read_once=read_once, **kw)
         return {k: _dense(v) for k, v in sd.items()}, reader.bytes_read
 
     return FakeWorld(world).run(rank)
@@ -198,17 +204,17 @@ def _layouts(draw: Any) -> list[tuple[str, str, tuple[int, ...], Any]]:
     verify=st.sampled_from([None, True, False]),
 )
 def test_read_once_is_bit_exact_with_the_ordinary_load(
-    layout: Any, save_world: int, load_world: int, verify: bool | None
+    impl: ModuleType, layout: Any, save_world: int, load_world: int, verify: bool | None
 ) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d)
 
         def save(comm: Any) -> None:
-            refdcp.save(_state(layout, save_world, comm.rank, True), checkpoint_id=path, comm=comm)
+            impl.save(_state(layout, save_world, comm.rank, True), checkpoint_id=path, comm=comm)
 
         FakeWorld(save_world).run(save)
-        plain = _load_all(path, layout, load_world, False, verify=verify)
-        once = _load_all(path, layout, load_world, True, verify=verify)
+        plain = _load_all(path, layout, load_world, False, impl, verify=verify)
+        once = _load_all(path, layout, load_world, True, impl, verify=verify)
         stored = sum(
             info.length
             for info in refdcp.FileSystemReader(path).read_metadata().storage_data.values()
@@ -220,8 +226,10 @@ def test_read_once_is_bit_exact_with_the_ordinary_load(
                 assert sd[name] == _bytes(_values(name, shape, dtype))
             if kind == "object":
                 assert sd[name] == f"value of {name}"
-    # every stored item the load needs is read once: here the load needs them all
-    assert sum(b for _, b in once) == stored
+    # every stored item the load needs is read once: here the load needs them all. Only the
+    # default path reads once: the reference accepts read_once= and reads plainly (ONCE-6).
+    if impl is refdcp:
+        assert sum(b for _, b in once) == stored
 
 
 @pytest.mark.spec("ONCE-7")
@@ -459,6 +467,7 @@ def test_gloo_world_2_reads_once_bit_exact_and_every_rank_raises_on_a_bad_reader
                 assert f"'w{victim}'" in outcome[1] and file in outcome[1]
 
 
+@pytest.mark.slow  # make test-thorough: ~30 s of spawned ranks; world 2 above runs in make test
 @pytest.mark.spec("ONCE-7", "ONCE-5")
 def test_gloo_world_4_reads_each_byte_once_and_every_rank_raises_on_a_bad_reader() -> None:
     """Four Gloo ranks, four replicated tensors: each rank reads one, the stored bytes

@@ -22,6 +22,8 @@ from refdcp.storage.memory import MemoryReader, MemoryStorage
 from refdcp.storage.shared import shared_storage
 from refdcp.testing.storage_wrappers import CountingReader
 
+SINGLE_PATH = "read_once='auto' (ONCE-9) picks where the default path reads once, a bandwidth knob"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 LOCAL_FS_TYPES = ("ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "9p", "virtiofs", "fuse")

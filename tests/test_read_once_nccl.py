@@ -20,6 +20,8 @@ from refdcp.testing.spawn import run_gloo
 from refdcp.testing.storage_wrappers import CountingReader
 from tests.test_read_once import _bytes, _gloo_load, _saved_for_gloo, _state, _values
 
+SINGLE_PATH = "read-once over NCCL (ONCE-7, ONCE-9) is a bandwidth feature of the default path; run by make test-gpu"
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.dist,

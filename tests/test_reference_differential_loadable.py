@@ -24,6 +24,8 @@ import refdcp.reference
 from refdcp.errors import CheckpointError
 from refdcp.planning.errors import UnloadableValueError
 
+SINGLE_PATH = "differential: compares the reference's refusal rule with the fast path's (REF-1, REF-4), so it calls both itself"
+
 
 class Opaque:
     """A class no allow-list names unless a test passes it in ``safe_globals``."""

@@ -17,6 +17,8 @@ import refdcp.reference
 from refdcp.comm import FakeWorld, SingleRank
 from refdcp.tools.learner_path import MAX_CODE_LINES, MAX_MODULES, code_lines, learner_path
 
+SINGLE_PATH = "checks refdcp/reference itself: its size, idioms and differences (REF-5, 7, 8)"
+
 REFERENCE = Path(refdcp.reference.__file__).parent
 SPEC_ID = re.compile(r"\b[A-Z]+-\d+\b")
 

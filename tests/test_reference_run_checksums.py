@@ -22,6 +22,8 @@ import refdcp.reference
 from refdcp.comm import FakeWorld
 from refdcp.reference.save_planner import value_checksum
 
+SINGLE_PATH = "runs the reference alone against DEDUP-6's definition (HARN-26); the comparison with the fast path is in test_reference_differential"
+
 
 def canonical(value: Any) -> Any:
     """DEDUP-6's canonical form, written from the spec's words."""

@@ -16,6 +16,8 @@ import refdcp.reference
 from refdcp.errors import CheckpointError
 from refdcp.planning.errors import UnloadableValueError
 
+SINGLE_PATH = "runs the reference alone (HARN-26); test_reference_differential_loadable compares it with the fast path"
+
 
 class Opaque:
     """A class no allow-list names."""

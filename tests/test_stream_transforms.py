@@ -31,6 +31,8 @@ from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR
 from refdcp.storage.fs import transforms as tr
 from tests.test_storage_compat import bits, make_tensor
 
+SINGLE_PATH = "stream transforms (_extensions, zstd; FMT-23..27) are a feature of refdcp's FileSystemWriter/Reader, crossed here with torch's"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 WRITERS = {"torch": dcp.FileSystemWriter, "refdcp": FileSystemWriter}
