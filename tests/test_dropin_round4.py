@@ -247,8 +247,10 @@ def test_overwrite_false_raises_with_torchs_words(tmp_path: Path) -> None:
 # -- ASYNC-1: the async result is torch's ------------------------------------------------------
 
 
-@pytest.mark.spec("ASYNC-1")
-def test_the_async_handle_is_a_future_and_torchs_async_save_response(tmp_path: Path) -> None:
+@pytest.mark.spec("ASYNC-1", "REF-11")
+def test_the_async_handle_is_a_future_and_torchs_async_save_response(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     import concurrent.futures as cf
 
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -256,8 +258,8 @@ def test_the_async_handle_is_a_future_and_torchs_async_save_response(tmp_path: P
 
     stager = DefaultStager(StagingOptions(False, False, False, False))
     handles = [
-        refdcp.async_save({"a": torch.ones(3)}, checkpoint_id=str(tmp_path / "plain")),
-        refdcp.async_save(
+        impl.async_save({"a": torch.ones(3)}, checkpoint_id=str(tmp_path / "plain")),
+        impl.async_save(
             {"a": torch.ones(3)}, checkpoint_id=str(tmp_path / "ds"), async_stager=stager
         ),
     ]

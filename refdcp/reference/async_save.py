@@ -26,12 +26,13 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
@@ -43,35 +44,29 @@ from .staging import ReferenceStager
 __all__ = ["AsyncSaveHandle", "InFlightLimiter", "async_save"]
 
 
-class AsyncSaveHandle:
-    """The two futures of one asynchronous save (ASYNC-1).
+class AsyncSaveHandle(Future[Metadata], AsyncSaveResponse):
+    """One asynchronous save: a future of its ``Metadata``, and torch's ``AsyncSaveResponse`` (ASYNC-1).
 
-    ``staged`` resolves to None once the snapshot is complete (the source may
-    change from then on); ``committed`` resolves to the checkpoint's
-    ``Metadata``, or to the save's exception. ``result``, ``exception``,
-    ``done`` and ``add_done_callback`` are ``committed``'s, so code written for
-    torch's ``async_save`` future works unchanged.
+    The handle resolves to the checkpoint's ``Metadata`` once it is committed,
+    or to the save's exception, so ``concurrent.futures.wait`` and
+    ``as_completed`` take it. ``staged`` (torch's ``staging_completion``)
+    resolves to None once the snapshot is complete: the source may change from
+    then on. ``committed`` and ``upload_completion`` are the handle itself.
     """
 
+    __eq__ = object.__eq__  # a future is itself: compared and hashed by identity
+    __hash__ = object.__hash__
+
     def __init__(self) -> None:
+        Future.__init__(self)
         self.staged: Future[None] = Future()
-        self.committed: Future[Metadata] = Future()
+        self.staging_completion = self.staged
+        self.upload_completion = cast("Future[None]", self)
 
-    def result(self, timeout: float | None = None) -> Metadata:
-        """Wait for the commit; return its Metadata or raise the save's error (ASYNC-1)."""
-        return self.committed.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Wait for the save to end; return its error, or None once committed (ASYNC-3)."""
-        return self.committed.exception(timeout)
-
-    def done(self) -> bool:
-        """True once the save has committed or failed (ASYNC-1)."""
-        return self.committed.done()
-
-    def add_done_callback(self, fn: Callable[[Future[Metadata]], object]) -> None:
-        """Call ``fn(committed)`` once the save has committed or failed (ASYNC-1)."""
-        self.committed.add_done_callback(fn)
+    @property
+    def committed(self) -> Future[Metadata]:
+        """The handle itself: resolves once the checkpoint is committed (ASYNC-1)."""
+        return self
 
 
 class InFlightLimiter:

@@ -73,6 +73,15 @@ ALLOWED = {
     *(("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath")),
 }
 
+#: What older torch wrote, read as today's class of the same fields and values (API-28).
+RENAMED = {
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): "TensorProperties",
+    (
+        "torch.distributed._shard.sharded_tensor.metadata",
+        "MEM_FORMAT_ENCODING",
+    ): "_MEM_FORMAT_ENCODING",
+}
+
 
 def data_file_name(rank: int, token: str) -> str:
     """A rank's data file of one save: ``__{rank}_0.{token}.distcp`` (STORE-2, STORE-30)."""
@@ -171,6 +180,8 @@ class _Unpickler(pickle.Unpickler):
     """Builds only the allowlisted globals; anything else is refused unrun (FMT-6)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in RENAMED:
+            module, name = "torch.distributed.checkpoint.metadata", RENAMED[module, name]
         if module == "torch" and (
             name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
         ):
