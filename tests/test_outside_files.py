@@ -580,3 +580,28 @@ def test_an_index_larger_than_the_bound_is_refused_unread(
     monkeypatch.setattr(convert_module, "MAX_INDEX_BYTES", 1 << 20)
     convert(index, tmp_path / "out")
     assert (tmp_path / "out" / ".metadata").is_file()
+
+
+@pytest.mark.spec("STORE-63", "TOOL-21")
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_conversion_failing_mid_write_leaves_no_file_and_no_writer_behind(
+    tmp_path: Path, suffix: str
+) -> None:
+    """The destination is written through the descriptor that created it: a tensor that
+    fails its checksum mid-write leaves no file, and the writer is finished while that
+    file is still open (torch's zip writer would otherwise write to a closed file when
+    collected, which aborts the interpreter)."""
+    import gc
+
+    from refdcp.storage.errors import CorruptionError
+
+    state = _state(3, 11)
+    refdcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    (data,) = (p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[-8] ^= 0xFF  # inside the last tensor's bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptionError, match="checksum"):
+        convert(tmp_path / "dcp", tmp_path / f"out{suffix}")
+    gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]

@@ -905,27 +905,36 @@ def _write_torch_save(
     from torch.serialization import _get_storage_alignment, get_crc32_options
 
     writer: Any = torch._C.PyTorchFileWriter(dst, get_crc32_options(), _get_storage_alignment())
-    data = buf.getvalue()
-    writer.write_record("data.pkl", data, len(data))
-    writer.write_record(".format_version", "1", 1)
-    alignment = str(_get_storage_alignment())
-    writer.write_record(".storage_alignment", alignment, len(alignment))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for ref in pickler.refs:
-        tensor = src.read(ref.fqn)
-        _count(report, tensor)
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor = tensor.contiguous().clone()  # only reads that are not at a buffer's start
+    try:
+        data = buf.getvalue()
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        alignment = str(_get_storage_alignment())
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for ref in pickler.refs:
+            tensor = src.read(ref.fqn)
+            _count(report, tensor)
             storage = tensor.untyped_storage()
-        # the record is the storage's first nbytes bytes: the tensor (read buffers start at 0)
-        writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
-        src.release(tensor)
-        progress.update(tensor.nbytes)
-        del tensor, storage
-    for key, untyped in pickler.real.items():
-        writer.write_record(f"data/{key}", untyped, untyped.nbytes())
-    writer.write_end_of_file()
+            if storage.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+                tensor = tensor.contiguous().clone()  # only reads that are not at a buffer's start
+                storage = tensor.untyped_storage()
+            # the record is the storage's first nbytes bytes: the tensor (read buffers start at 0)
+            writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
+            src.release(tensor)
+            progress.update(tensor.nbytes)
+            del tensor, storage
+        for key, untyped in pickler.real.items():
+            writer.write_record(f"data/{key}", untyped, untyped.nbytes())
+        writer.write_end_of_file()
+    except BaseException:
+        # the writer writes its end records when it is destroyed: let it do so now, while
+        # dst is open (writing to a closed file object from its destructor aborts Python)
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    finally:
+        del writer
     dst.flush()
 
 
