@@ -656,7 +656,10 @@ class _SafetensorsSource(_Source):
             try:
                 self.fd = open_regular(path.name, os.O_RDONLY, dir_fd=dir_fd)
             except RefdcpError as exc:
-                raise ConvertError(str(exc)) from exc
+                raise ConvertError(
+                    f"{exc} (a shard an index names is read only as a regular file of the "
+                    "index's directory: copy linked files in, e.g. with cp -L)"
+                ) from exc
         try:
             header = read_header(self.fd, str(path))
         except CorruptionError as exc:
