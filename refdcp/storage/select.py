@@ -3,8 +3,9 @@
 Like torch: a local path gets the filesystem storage, a URL (``scheme://``)
 gets the fsspec storage; an id neither accepts is a clear error. For a load,
 a local directory holding ``.safetensors`` files and no ``.metadata`` (what
-torch's ``HuggingFaceStorageWriter`` leaves) gets torch's
-``HuggingFaceStorageReader`` (API-25).
+torch's ``HuggingFaceStorageWriter`` leaves) gets refdcp's subclass of torch's
+``HuggingFaceStorageReader``, which opens every file through the opening rule
+(API-25, STORE-64).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def select_reader(checkpoint_id: Any) -> StorageReader:
 
 
 def huggingface_reader(path: str | os.PathLike[str]) -> StorageReader:
-    """torch's ``HuggingFaceStorageReader`` for ``path``; it needs the ``safetensors``
-    package, and without it the error names the package to install (API-25)."""
+    """A ``HuggingFaceStorageReader`` for ``path``: refdcp's subclass of torch's, opening
+    every file through the opening rule (STORE-64); it needs the ``safetensors`` package,
+    and without it the error names the package to install (API-25)."""
     try:
         import safetensors  # noqa: F401
     except ImportError as exc:
@@ -66,7 +68,7 @@ def huggingface_reader(path: str | os.PathLike[str]) -> StorageReader:
             "layout); reading them needs the safetensors package: pip install safetensors "
             "(or refdcp[hf])"
         ) from exc
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from refdcp.storage.fs.safetensors_files import HuggingFaceStorageReader
 
     reader = HuggingFaceStorageReader(os.fspath(path))
     reader.reset(os.fspath(path))

@@ -24,6 +24,7 @@ once; the tests use the package as an independent oracle.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import json
@@ -31,9 +32,12 @@ import math
 import mmap
 import os
 import pickle
+import re
+import stat
 import struct
 import sys
 import tempfile
+import uuid
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -70,13 +74,21 @@ from refdcp.storage.format.items import (
     make_storage_info,
     raw_view,
 )
-from refdcp.storage.fs.paths import open_data_file, open_regular, pread_exact
+from refdcp.storage.fs.paths import (
+    check_data_name,
+    open_data_file,
+    open_regular,
+    opened_dir,
+    pread_exact,
+)
+from refdcp.storage.fs.safetensors_files import SAFETENSORS_DTYPES, read_header
 from refdcp.tools.progress import Progress
 
 __all__ = [
     "FORMATS",
     "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_SUFFIX",
+    "MAX_INDEX_BYTES",
     "SAFETENSORS_DTYPES",
     "ConvertError",
     "ConvertReport",
@@ -91,6 +103,11 @@ FORMATS = ("dcp", "torch", "safetensors", "safetensors-index")
 INDEX_SUFFIX = ".safetensors.index.json"
 #: Largest shard written to sharded safetensors unless told otherwise (Hugging Face's 5GB).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+#: Largest index file read (TOOL-34): as large as the largest safetensors header.
+MAX_INDEX_BYTES = 100_000_000
+#: What refdcp writes in an index's ``metadata``: the mark by which a later
+#: ``--overwrite`` knows the index and its shards are refdcp's (TOOL-33).
+WRITTEN_BY = ("written_by", "refdcp convert")
 #: File extensions that name a format when ``--to``/``--from`` is not given (TOOL-18).
 EXTENSIONS = {
     ".pt": "torch",
@@ -99,28 +116,6 @@ EXTENSIONS = {
     ".ckpt": "torch",
     ".safetensors": "safetensors",
 }
-#: safetensors' dtype names (the format's spec), torch dtype -> name.
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.complex64: "C64",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-}
-_SAFETENSORS_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 #: Bound on the scratch buffer used to scatter a DCP chunk into a strided box.
 _SCRATCH_BYTES = 4 << 20
 _MADV_DONTNEED = 4
@@ -195,13 +190,18 @@ def _open_named(path: Path, flags: int = os.O_RDONLY) -> int:
         raise ConvertError(str(exc)) from exc
 
 
-def _read_named(path: Path) -> bytes:
-    """The whole of a small file the user named (an index), through :func:`_open_named`."""
-    fd = _open_named(path)
-    try:
-        return pread_exact(fd, os.fstat(fd).st_size, 0)
-    finally:
-        os.close(fd)
+def _read_index(fd: int, file: str | os.PathLike[str]) -> bytes:
+    """The whole of an index file open at ``fd``, refused unread when larger than
+    ``MAX_INDEX_BYTES`` (TOOL-34)."""
+    size = os.fstat(fd).st_size
+    if size <= MAX_INDEX_BYTES:
+        data = pread_exact(fd, size + 1, 0)
+        if len(data) <= MAX_INDEX_BYTES:
+            return data
+    raise ConvertError(
+        f"{file}: an index of {max(size, MAX_INDEX_BYTES + 1)} bytes is larger than the "
+        f"{MAX_INDEX_BYTES} bytes refdcp reads; refused unread"
+    )
 
 
 # --- sources ---------------------------------------------------------------------------------
@@ -644,40 +644,33 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _SafetensorsSource(_Source):
-    def __init__(self, path: Path) -> None:
+    """One safetensors file: the file the user named (a link followed, STORE-59), or with
+    ``dir_fd`` a shard an index names, opened in that directory with no link followed
+    (STORE-64); its header checked as the ``safetensors`` package checks it (TOOL-34)."""
+
+    def __init__(self, path: Path, dir_fd: int | None = None) -> None:
         self.path = path
-        self.fd = _open_named(path)
-        size = os.fstat(self.fd).st_size
-        raw = os.pread(self.fd, 8, 0)
-        if len(raw) != 8:
-            raise ConvertError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8 or n > 100 << 20:
-            raise ConvertError(f"{path}: header length {n} does not fit the file ({size} bytes)")
+        if dir_fd is None:
+            self.fd = _open_named(path)
+        else:
+            try:
+                self.fd = open_regular(path.name, os.O_RDONLY, dir_fd=dir_fd)
+            except RefdcpError as exc:
+                raise ConvertError(
+                    f"{exc} (a shard an index names is read only as a regular file of the "
+                    "index's directory: copy linked files in, e.g. with cp -L)"
+                ) from exc
         try:
-            header = json.loads(os.pread(self.fd, n, 8))
-        except ValueError as exc:
-            raise ConvertError(f"{path}: header is not JSON: {exc}") from exc
-        if not isinstance(header, dict):
-            raise ConvertError(f"{path}: header is not a JSON object")
-        header.pop("__metadata__", None)
-        self.base = 8 + n
+            header = read_header(self.fd, str(path))
+        except CorruptionError as exc:
+            os.close(self.fd)
+            raise ConvertError(str(exc)) from exc
+        self.base = header.base
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
         self.flat = {}
-        for key, spec in header.items():
-            try:
-                dtype = _SAFETENSORS_NAMES[spec["dtype"]]
-                shape = tuple(int(s) for s in spec["shape"])
-                begin, end = (int(x) for x in spec["data_offsets"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ConvertError(f"{path}: tensor {key!r}: bad header entry {spec!r}") from exc
-            if end - begin != _tensor_nbytes(shape, dtype) or self.base + end > size or begin < 0:
-                raise ConvertError(
-                    f"{path}: tensor {key!r}: data_offsets {[begin, end]} do not fit "
-                    f"{spec['dtype']} {list(shape)} in a file of {size} bytes"
-                )
-            self.entries[key] = (dtype, shape, begin)
-            self.flat[key] = _meta(shape, dtype)
+        for key, e in header.entries.items():
+            self.entries[key] = (e.dtype, e.shape, e.begin)
+            self.flat[key] = _meta(e.shape, e.dtype)
         self.structure = dict(self.flat)
 
     def read(self, fqn: str) -> torch.Tensor:
@@ -699,13 +692,15 @@ def _index_files(directory: Path) -> list[Path]:
 class _IndexSource(_Source):
     """Sharded safetensors: the index's ``weight_map`` and the files it names (TOOL-32).
 
-    Every file named must be a plain name in the index's directory, and the index and
+    Every file named must be a plain name in the index's directory, opened there with no
+    link followed (STORE-64); the index is read bounded (TOOL-34), and the index and
     the files' headers must agree key for key: a key the index names that its file
     lacks, or a tensor of a file that the index leaves out or puts elsewhere, is refused.
     """
 
     def __init__(self, path: Path) -> None:
-        if path.is_dir():
+        named = not path.is_dir()  # the user named the index itself: a link is followed
+        if not named:
             found = _index_files(path)
             if len(found) != 1:
                 raise ConvertError(
@@ -714,23 +709,33 @@ class _IndexSource(_Source):
                 )
             path = found[0]
         self.path = path
-        try:
-            index = json.loads(_read_named(path))
-        except (OSError, ValueError) as exc:
-            raise ConvertError(f"{path}: not a readable JSON index: {exc}") from exc
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ConvertError(f"{path}: no weight_map of tensor names to file names")
         self.files: dict[str, _SafetensorsSource] = {}
+        dfd = opened_dir(path.parent)
         try:
+            try:
+                fd = (
+                    _open_named(path) if named else open_regular(path.name, os.O_RDONLY, dir_fd=dfd)
+                )
+            except RefdcpError as exc:
+                raise ConvertError(str(exc)) from exc
+            try:
+                index = json.loads(_read_index(fd, path))
+            except (OSError, ValueError) as exc:
+                raise ConvertError(f"{path}: not a readable JSON index: {exc}") from exc
+            finally:
+                os.close(fd)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise ConvertError(f"{path}: no weight_map of tensor names to file names")
             for name in dict.fromkeys(weight_map.values()):
                 try:
-                    layout.check_data_name(name, file=path.name)
+                    check_data_name(name, file=path.name)
                 except RefdcpError as exc:
                     raise ConvertError(str(exc)) from exc
-                self.files[name] = _SafetensorsSource(path.parent / name)
+                # a shard is a file of the index's directory: no link followed (STORE-64)
+                self.files[name] = _SafetensorsSource(path.parent / name, dir_fd=dfd)
             for name, part in self.files.items():
                 wanted = {k for k, v in weight_map.items() if v == name}
                 if wanted != set(part.entries):
@@ -746,6 +751,8 @@ class _IndexSource(_Source):
         except BaseException:
             self.close()
             raise
+        finally:
+            os.close(dfd)
         self.where = dict(weight_map)
         self.flat = {k: self.files[v].flat[k] for k, v in weight_map.items()}
         self.structure = dict(self.flat)
@@ -890,37 +897,48 @@ def _storage_type(dtype: torch.dtype) -> Any:
     return getattr(torch, typed._pickle_storage_type())
 
 
-def _write_torch_save(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
+def _write_torch_save(
+    src: _Source, dst: io.BufferedWriter, progress: Progress, report: ConvertReport
+) -> None:
+    """torch's zip writer into ``dst``, a new file convert created (STORE-63)."""
     placeholders = {id(v): k for k, v in src.flat.items() if isinstance(v, torch.Tensor)}
     buf = io.BytesIO()
     pickler = _ZipPickler(buf, placeholders)
     pickler.dump(src.structure)
     from torch.serialization import _get_storage_alignment, get_crc32_options
 
-    writer: Any = torch._C.PyTorchFileWriter(
-        str(dst), get_crc32_options(), _get_storage_alignment()
-    )
-    data = buf.getvalue()
-    writer.write_record("data.pkl", data, len(data))
-    writer.write_record(".format_version", "1", 1)
-    alignment = str(_get_storage_alignment())
-    writer.write_record(".storage_alignment", alignment, len(alignment))
-    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-    for ref in pickler.refs:
-        tensor = src.read(ref.fqn)
-        _count(report, tensor)
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor = tensor.contiguous().clone()  # only reads that are not at a buffer's start
+    writer: Any = torch._C.PyTorchFileWriter(dst, get_crc32_options(), _get_storage_alignment())
+    try:
+        data = buf.getvalue()
+        writer.write_record("data.pkl", data, len(data))
+        writer.write_record(".format_version", "1", 1)
+        alignment = str(_get_storage_alignment())
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for ref in pickler.refs:
+            tensor = src.read(ref.fqn)
+            _count(report, tensor)
             storage = tensor.untyped_storage()
-        # the record is the storage's first nbytes bytes: the tensor (read buffers start at 0)
-        writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
-        src.release(tensor)
-        progress.update(tensor.nbytes)
-        del tensor, storage
-    for key, untyped in pickler.real.items():
-        writer.write_record(f"data/{key}", untyped, untyped.nbytes())
-    writer.write_end_of_file()
+            if storage.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+                tensor = tensor.contiguous().clone()  # only reads that are not at a buffer's start
+                storage = tensor.untyped_storage()
+            # the record is the storage's first nbytes bytes: the tensor (read buffers start at 0)
+            writer.write_record(f"data/{ref.key}", storage, tensor.nbytes)
+            src.release(tensor)
+            progress.update(tensor.nbytes)
+            del tensor, storage
+        for key, untyped in pickler.real.items():
+            writer.write_record(f"data/{key}", untyped, untyped.nbytes())
+        writer.write_end_of_file()
+    except BaseException:
+        # the writer writes its end records when it is destroyed: let it do so now, while
+        # dst is open (writing to a closed file object from its destructor aborts Python)
+        with contextlib.suppress(Exception):
+            writer.write_end_of_file()
+        raise
+    finally:
+        del writer
+    dst.flush()
 
 
 def _count(report: ConvertReport, tensor: torch.Tensor) -> None:
@@ -953,19 +971,26 @@ def _safetensors_header(src: _Source, keys: list[str]) -> bytes:
 
 
 def _write_safetensors(
-    src: _Source, dst: Path, progress: Progress, report: ConvertReport, keys: list[str]
+    src: _Source, f: io.BufferedWriter, progress: Progress, report: ConvertReport, keys: list[str]
 ) -> None:
-    header = _safetensors_header(src, keys)
-    with open(_open_named(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
-        f.write(header)
-        for key in keys:
-            tensor = src.read(key)
-            _count(report, tensor)
-            if tensor.numel():
-                f.write(raw_view(tensor))
-            src.release(tensor)
-            progress.update(tensor.nbytes)
-            del tensor
+    """A safetensors file into ``f``, a new file convert created (STORE-63)."""
+    f.write(_safetensors_header(src, keys))
+    for key in keys:
+        tensor = src.read(key)
+        _count(report, tensor)
+        if tensor.numel():
+            f.write(raw_view(tensor))
+        src.release(tensor)
+        progress.update(tensor.nbytes)
+        del tensor
+    f.flush()
+
+
+def _new_file(folder: Path, prefix: str) -> tuple[io.BufferedWriter, str]:
+    """A new file under a random name in ``folder`` (``O_CREAT|O_EXCL``), written through
+    the descriptor that created it, never reopened by name (STORE-63)."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".partial", dir=folder)
+    return open(fd, "wb"), os.path.basename(tmp)
 
 
 def shard_groups(src: _Source, keys: list[str], max_shard_bytes: int) -> list[list[str]]:
@@ -998,48 +1023,121 @@ def _write_safetensors_index(
     keys: list[str],
     max_shard_bytes: int,
 ) -> None:
-    """Each shard under a temporary name, then the shards renamed into place and the index
-    written last: a failure removes what it wrote and leaves no index (TOOL-32)."""
+    """Each shard and the index under new names, then renamed into place, the index last.
+
+    What a name already held is moved aside first and moved back when anything fails, so
+    a failed conversion leaves the destination as it was (TOOL-32, TOOL-33); once the
+    index is in place the moved-aside files go, and the replaced index's shards that
+    refdcp can prove it wrote (TOOL-33)."""
     index_path, stem = _index_target(dst)
     folder = index_path.parent
     folder.mkdir(parents=True, exist_ok=True)
     groups = shard_groups(src, keys, max_shard_bytes)
     names = [f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
-    old: list[str] = []
-    if index_path.is_file():
-        try:
-            old = list(dict.fromkeys(json.loads(_read_named(index_path))["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            old = []
-    temps: list[Path] = []
-    placed: list[Path] = []
+    dfd = opened_dir(folder)
     try:
-        for group in groups:
-            fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=".partial", dir=folder)
-            os.close(fd)
-            temps.append(Path(tmp))
-            _write_safetensors(src, temps[-1], progress, report, group)
-        total = report.tensor_bytes
-        for part, name in zip(temps, names):
-            os.replace(part, folder / name)
-            placed.append(folder / name)
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {k: names[i] for i, group in enumerate(groups) for k in group},
-        }
-        fd, tmp = tempfile.mkstemp(prefix=f".{index_path.name}.", suffix=".partial", dir=folder)
-        temps.append(Path(tmp))
-        with open(fd, "w", encoding="utf-8") as out:
-            out.write(json.dumps(index, indent=2) + "\n")
-        os.replace(tmp, index_path)
+        ours, theirs = _replaced_shards(dfd, index_path.name, stem, set(names))
+        if theirs:
+            raise ConvertError(
+                f"{folder}: the index being replaced names {', '.join(theirs[:5])}, which this "
+                "conversion does not replace and refdcp cannot tell it wrote: remove them, or "
+                "convert into a new directory; nothing was written"
+            )
+        temps: list[str] = []
+        placed: list[str] = []
+        moved: list[tuple[str, str]] = []
+        try:
+            for group in groups:
+                f, tmp = _new_file(folder, f".{stem}.")
+                temps.append(tmp)
+                with f:
+                    _write_safetensors(src, f, progress, report, group)
+            index = {
+                "metadata": {"total_size": report.tensor_bytes, WRITTEN_BY[0]: WRITTEN_BY[1]},
+                "weight_map": {k: names[i] for i, group in enumerate(groups) for k in group},
+            }
+            f, tmp = _new_file(folder, f".{index_path.name}.")
+            temps.append(tmp)
+            with f:
+                f.write((json.dumps(index, indent=2) + "\n").encode())
+            for tmp, name in zip(temps, [*names, index_path.name]):
+                if _lexists(name, dfd):  # kept until the index is in place (TOOL-33)
+                    aside = _aside_name(dfd, name)
+                    os.replace(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    moved.append((name, aside))
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                placed.append(name)
+        except BaseException:
+            for name in [*temps, *placed]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dfd)
+            for name, aside in reversed(moved):
+                os.replace(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            raise
         report.shards, report.index = len(names), str(index_path)
-    except BaseException:
-        for path in temps + placed:
-            path.unlink(missing_ok=True)
-        raise
-    for name in old:  # shards of the replaced checkpoint that the new index does not name
-        if name not in names and "/" not in name and name not in (".", ".."):
-            (folder / name).unlink(missing_ok=True)
+        for name in [aside for _, aside in moved] + ours:  # best effort: committed
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _aside_name(dir_fd: int, name: str) -> str:
+    """A name no entry of the directory has, to keep ``name``'s file under until the
+    conversion has succeeded."""
+    while True:
+        aside = f".{name}.{uuid.uuid4().hex}.replaced"
+        if not _lexists(aside, dir_fd):
+            return aside
+
+
+def _replaced_shards(
+    dir_fd: int, index_name: str, stem: str, new: set[str]
+) -> tuple[list[str], list[str]]:
+    """The shards the index being replaced names that the new checkpoint does not replace:
+    (those refdcp can prove it wrote, the other ``.safetensors`` files there) (TOOL-33).
+
+    Proof: the index carries refdcp's mark (``WRITTEN_BY``), the name is refdcp's shard
+    name for that index's stem, and the file is a regular file. A name that is not a
+    ``.safetensors`` file (``config.json``, the index itself) is never either.
+    """
+    try:
+        fd = open_regular(index_name, os.O_RDONLY, dir_fd=dir_fd)
+    except (OSError, RefdcpError):
+        return [], []  # no old index, or not a file: it proves nothing and names nothing
+    try:
+        doc = json.loads(_read_index(fd, index_name))
+    except (ValueError, RefdcpError):
+        return [], []
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        return [], []
+    meta = doc.get("metadata")
+    marked = isinstance(meta, dict) and meta.get(WRITTEN_BY[0]) == WRITTEN_BY[1]
+    pattern = re.compile(re.escape(stem) + r"-(\d{5})-of-(\d{5})\.safetensors")
+    ours: list[str] = []
+    theirs: list[str] = []
+    for name in dict.fromkeys(v for v in doc["weight_map"].values() if isinstance(v, str)):
+        if name in new or not name.endswith(".safetensors") or "/" in name or name == index_name:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except (FileNotFoundError, ValueError):
+            continue
+        if marked and pattern.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            ours.append(name)
+        else:
+            theirs.append(name)
+    return ours, theirs
 
 
 def _write_dcp(src: _Source, dst: Path, progress: Progress, report: ConvertReport) -> None:
@@ -1179,15 +1277,15 @@ def convert(
                 _write_safetensors_index(source, dst_p, bar, report, tensors, max_shard_bytes)
             else:
                 dst_p.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp_name = tempfile.mkstemp(prefix=f".{dst_p.name}.", dir=dst_p.parent)
-                os.close(fd)
-                tmp = Path(tmp_name)
+                f, tmp_name = _new_file(dst_p.parent, f".{dst_p.name}.")
+                tmp = dst_p.parent / tmp_name
                 try:
-                    if dfmt == "torch":
-                        _write_torch_save(source, tmp, bar, report)
-                    else:
-                        _write_safetensors(source, tmp, bar, report, tensors)
-                    os.replace(tmp, dst_p)
+                    with f:
+                        if dfmt == "torch":
+                            _write_torch_save(source, f, bar, report)
+                        else:
+                            _write_safetensors(source, f, bar, report, tensors)
+                    os.replace(tmp, dst_p)  # the name is replaced, never written through
                 finally:
                     tmp.unlink(missing_ok=True)
         report.checksums_verified = source.checksums_verified

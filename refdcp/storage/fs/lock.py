@@ -11,8 +11,10 @@ id, start time and save token.
 Stale-lock rule (survives SIGKILL): the holder keeps an exclusive ``flock``
 on the open file for the whole save, and the kernel drops it when the holder
 dies. A lock file whose ``flock`` can be taken is stale and is taken over in
-place. Where ``flock`` is unsupported, a lock is stale only when it names this
-host and boot and its pid is no longer alive; anything else is refused.
+place, when it has exactly one link: a lock name that is a hard link to another
+file is refused, never written through (STORE-63). Where ``flock`` is unsupported,
+a lock is stale only when it names this host and boot and its pid is no longer
+alive; anything else is refused.
 """
 
 from __future__ import annotations
@@ -214,7 +216,15 @@ def acquire_save_lock(
                     "flock to tell whether the holder is alive; remove the lock file if no save "
                     "is running"
                 )
-            # stale: the holder died (its flock went with it); take the lock over in place
+            # stale: the holder died (its flock went with it); take the lock over in place,
+            # only when the file has no other name: never write through a hard link (STORE-63)
+            links = os.fstat(fd).st_nlink
+            if links != 1:
+                raise UnsafePathError(
+                    f"{path}: the lock file has {links} links (a hard link to another file); "
+                    "refdcp writes only files of the checkpoint that have one name, and "
+                    "wrote nothing: remove the lock file if no save is running"
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, _payload(token), 0)
             return _held(path, fd, token, dir_fd)
