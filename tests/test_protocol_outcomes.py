@@ -43,7 +43,7 @@ def _failure(rank: int, step: str) -> Failure:
     return Failure.capture(rank, step, RuntimeError(f"boom on {rank}"))
 
 
-@pytest.mark.spec("PROTO-17")
+@pytest.mark.spec("PROTO-18")
 @pytest.mark.parametrize("module", DRIVERS)
 def test_no_driver_makes_a_failure_decision(module: str) -> None:
     path = ROOT / module

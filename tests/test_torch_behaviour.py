@@ -734,3 +734,16 @@ def test_torch_async_save_stages_into_fresh_memory_every_time(tmp_path: Path) ->
         dcp.async_save(sd, storage_writer=writer, no_dist=True).result(timeout=60)
     first, second = _RecordingWriter.seen  # both kept alive: a reused buffer would repeat
     assert len({first.data_ptr(), second.data_ptr(), sd["w"].data_ptr()}) == 3
+
+
+@pytest.mark.spec("STORE-64")
+def test_torch_hf_reader_follows_a_link_named_safetensors(tmp_path: Path) -> None:
+    """torch's HuggingFaceStorageReader opens a ``*.safetensors`` link and reads what it leads to."""
+    st = pytest.importorskip("safetensors.torch")
+    outside = tmp_path / "outside.bin"
+    st.save_file({"secret": torch.full((2,), 7.0)}, outside)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").symlink_to(outside)
+    metadata = dcp.HuggingFaceStorageReader(str(ckpt)).read_metadata()
+    assert "secret" in metadata.state_dict_metadata
