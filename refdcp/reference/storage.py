@@ -134,7 +134,7 @@ class ReferenceWriter(StorageWriter):
                 out.flush()
                 os.fsync(out.fileno())
         os.replace(tmp, self.path / METADATA)
-        self.written.remove(tmp)
+        self.written = []  # committed: the files are the checkpoint's now, never removed (STORE-33)
         if self.sync_files:
             _fsync_dir(self.path)
 
