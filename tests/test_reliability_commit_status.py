@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from types import ModuleType
 
 import refdcp
 import refdcp.storage.fs.filesystem as fs

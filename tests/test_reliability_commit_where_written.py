@@ -15,11 +15,11 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from types import ModuleType
 
 import refdcp
 from refdcp.comm import FakeWorld

@@ -16,11 +16,11 @@ import socket
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from types import ModuleType
 
 import refdcp
 from refdcp.storage import FileSystemWriter
