@@ -191,8 +191,8 @@ class _Unpickler(pickle.Unpickler):
 def _check_records(metadata: Metadata, file: str) -> None:
     """Every storage record names a plain file name and a non-negative range (FMT-9, STORE-26),
     every stored chunk and object has a record, and no two records share a byte (FMT-29)."""
-    sdm = getattr(metadata, "state_dict_metadata", None)
-    records = getattr(metadata, "storage_data", None) or {}
+    sdm: Any = getattr(metadata, "state_dict_metadata", None)
+    records: Any = getattr(metadata, "storage_data", None) or {}
     for field, value in (("state_dict_metadata", sdm), ("storage_data", records)):
         if not isinstance(value, dict):  # FMT-9: a field of the wrong type is named, not run into
             raise MalformedMetadataError(f"is a {type(value).__name__}", field=field, file=file)
