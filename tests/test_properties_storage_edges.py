@@ -96,8 +96,9 @@ def test_writer_arguments_and_item_kinds_are_checked(tmp_path: Path, impl: Modul
 
 @pytest.mark.spec("STORE-4")
 def test_the_metadata_temp_file_is_fsynced_before_the_rename(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: ModuleType
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast FileSystemWriter's fsync before its rename
     events: list[str] = []
     real_fsync, real_replace = fs.os.fsync, fs.os.replace
 
@@ -111,7 +112,7 @@ def test_the_metadata_temp_file_is_fsynced_before_the_rename(
         "replace",
         lambda a, b, **kw: (events.append("replace"), real_replace(a, b, **kw))[1],
     )
-    impl.save(
+    refdcp.save(
         {"w": torch.ones(2)},
         storage_writer=FileSystemWriter(tmp_path, sync_files=True),
         no_dist=True,
@@ -163,10 +164,11 @@ def test_a_file_shrinking_under_a_read_is_named_not_delivered(tmp_path: Path) ->
 
 
 @pytest.mark.spec("INTEG-3")
-def test_verifying_a_short_blob_says_truncated(tmp_path: Path, impl: ModuleType) -> None:
+def test_verifying_a_short_blob_says_truncated(tmp_path: Path) -> None:
+    # single path: the fast FileSystemReader and verify_blob; the save is a fixture
     from refdcp.storage.format.items import verify_blob
 
-    impl.save({"w": torch.arange(16.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    refdcp.save({"w": torch.arange(16.0)}, checkpoint_id=str(tmp_path), no_dist=True)
     md = FileSystemReader(tmp_path).read_metadata()
     assert md.storage_data is not None
     (info,) = md.storage_data.values()
@@ -185,18 +187,17 @@ def test_save_and_load_leave_no_file_descriptor_open(tmp_path: Path, impl: Modul
     sd = {f"t{i}": torch.arange(4.0) + i for i in range(5)}
     impl.save(sd, checkpoint_id=str(tmp_path / "warm"), no_dist=True)  # pools and threads start
     before = open_fds()
-    impl.save(sd, storage_writer=FileSystemWriter(tmp_path / "c", sync_files=True), no_dist=True)
+    impl.save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     impl.load({k: torch.zeros(4) for k in sd}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert open_fds() <= before
 
 
 @pytest.mark.spec("STORE-12")
-def test_a_read_of_a_chunk_missing_from_the_metadata_is_an_error(
-    tmp_path: Path, impl: ModuleType
-) -> None:
+def test_a_read_of_a_chunk_missing_from_the_metadata_is_an_error(tmp_path: Path) -> None:
+    # single path: the fast FileSystemReader and verify_blob; the save is a fixture
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    impl.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    refdcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path), no_dist=True)
     reader = FileSystemReader(tmp_path)
     md = reader.read_metadata()
     assert md.storage_data is not None

@@ -50,25 +50,27 @@ def test_buckets_are_torchs(items: list[WriteItem], n: int) -> None:
 
 
 def _round_trip(impl: ModuleType, tmp: Path, sd: dict[str, Any], **writer: Any) -> dict[str, Any]:
-    impl.save(sd, storage_writer=FileSystemWriter(tmp, **writer), no_dist=True)
+    """Save with the fast FileSystemWriter's ``writer`` options, or with ``impl``'s own writer."""
+    if writer:
+        impl.save(sd, storage_writer=FileSystemWriter(tmp, **writer), no_dist=True)
+    else:
+        impl.save(sd, checkpoint_id=str(tmp), no_dist=True)
     dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
     impl.load(dest, checkpoint_id=str(tmp), no_dist=True)
     return dest
 
 
 @pytest.mark.spec("STORE-8", "STORE-2")
-def test_more_small_items_in_one_file_than_writev_takes_at_once(
-    tmp_path: Path, impl: ModuleType
-) -> None:
+def test_more_small_items_in_one_file_than_writev_takes_at_once(tmp_path: Path) -> None:
+    # single path: the fast FileSystemWriter's writev batching
     sd = {f"t{i}": torch.tensor([i], dtype=torch.int32) for i in range(2500)}
-    back = _round_trip(impl, tmp_path, sd, thread_count=1, single_file_per_rank=True)
+    back = _round_trip(refdcp, tmp_path, sd, thread_count=1, single_file_per_rank=True)
     assert all(int(back[k].item()) == i for i, k in enumerate(sd))
 
 
 @pytest.mark.spec("STORE-8", "STORE-2")
-def test_short_writes_are_resumed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: ModuleType
-) -> None:
+def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # single path: the fast FileSystemWriter's writev batching
     real = os.writev
 
     def short(fd: int, views: list[Any]) -> int:  # the kernel may write less than asked
@@ -76,7 +78,7 @@ def test_short_writes_are_resumed(
 
     monkeypatch.setattr(fs.os, "writev", short)
     sd = {f"t{i}": torch.arange(i + 5, dtype=torch.float32) for i in range(6)}
-    back = _round_trip(impl, tmp_path, sd, thread_count=1)
+    back = _round_trip(refdcp, tmp_path, sd, thread_count=1)
     assert all(torch.equal(back[k], v) for k, v in sd.items())
 
 
@@ -136,15 +138,16 @@ def test_a_failed_rename_leaves_no_temp_file_and_no_checkpoint(
 
 @pytest.mark.spec("STORE-4")
 def test_sync_files_fsyncs_the_directory_after_the_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: ModuleType
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast FileSystemWriter's fsync order and stale-file removal (REF-8)
     order: list[str] = []
     real_replace, real_sync = fs.os.replace, fs._fsync_dir
     monkeypatch.setattr(
         fs.os, "replace", lambda a, b, **kw: (order.append("replace"), real_replace(a, b, **kw))[1]
     )
     monkeypatch.setattr(fs, "_fsync_dir", lambda p: (order.append("fsync_dir"), real_sync(p))[1])
-    impl.save(
+    refdcp.save(
         {"w": torch.ones(2)},
         storage_writer=FileSystemWriter(tmp_path, sync_files=True),
         no_dist=True,
@@ -155,9 +158,10 @@ def test_sync_files_fsyncs_the_directory_after_the_commit(
 
 @pytest.mark.spec("STORE-5")
 def test_a_stale_file_that_cannot_be_removed_is_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: ModuleType
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    impl.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+    # single path: the fast FileSystemWriter's fsync order and stale-file removal (REF-8)
+    refdcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
 
     real_unlink = fs.os.unlink
 
@@ -169,7 +173,7 @@ def test_a_stale_file_that_cannot_be_removed_is_a_warning(
     monkeypatch.setattr(fs.os, "unlink", refuse)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        impl.save(
+        refdcp.save(
             {"w": torch.zeros(2)},
             storage_writer=FileSystemWriter(tmp_path, overwrite=True),
             no_dist=True,
@@ -250,11 +254,10 @@ def test_storage_meta_names_the_path_and_this_saves_id(tmp_path: Path) -> None:
 
 
 @pytest.mark.spec("STORE-8", "STORE-2")
-def test_more_object_items_in_one_file_than_writev_takes_at_once(
-    tmp_path: Path, impl: ModuleType
-) -> None:
+def test_more_object_items_in_one_file_than_writev_takes_at_once(tmp_path: Path) -> None:
     """Objects (BYTE_IO items) go through the general write path: its parts are flushed before
     the iovec count exceeds what one writev takes."""
+    # single path: the fast FileSystemWriter's writev batching
     sd: dict[str, Any] = {f"o{i}": i for i in range(2500)}
-    back = _round_trip(impl, tmp_path, sd, thread_count=1, single_file_per_rank=True)
+    back = _round_trip(refdcp, tmp_path, sd, thread_count=1, single_file_per_rank=True)
     assert [back[k] for k in sd] == list(range(2500))

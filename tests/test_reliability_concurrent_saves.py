@@ -138,6 +138,7 @@ def _race_processes(path: Path, n: int) -> set[int]:
     return {i for i, o in outcomes if o == "ok"}
 
 
+@pytest.mark.slow  # a minute of process start-up on 2 cores; the thread race covers the lock in make test
 @pytest.mark.spec("STORE-29")
 def test_concurrent_process_saves_fast(tmp_path: Path) -> None:
     # single path: the directory lock across processes is the fast writer's (REF-8)
