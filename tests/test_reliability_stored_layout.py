@@ -11,6 +11,9 @@ another item's bytes (whose checksum then matches). Each is refused by a load
 from __future__ import annotations
 
 import copy
+import fcntl
+import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -175,18 +178,35 @@ def test_400k_chunks_and_records_are_checked_at_scale() -> None:
 # -- torch-written checkpoints pass ---------------------------------------------------------
 
 
+def _torch_written(factory: pytest.TempPathFactory, world: int) -> tuple[Path, list[str]]:
+    """torch's sharded save at ``world`` gloo ranks, written once per test session and shared
+    by both implementations' tests (and the xdist workers, under a lock): spawning is the cost."""
+    base = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's directory, above the workers' own
+    root = base / f"torch_sharded_{world}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "keys.json"
+        if not done.exists():
+            keys = run_gloo(world, _layout_fns.torch_saves_sharded, str(root / "ck"), timeout=120.0)
+            done.write_text(json.dumps(keys[0]))
+    return root / "ck", json.loads(done.read_text())
+
+
 @pytest.mark.spec("FMT-28", "FMT-29")
 @pytest.mark.parametrize("world", [1, 3])  # 1: rows and cols; 3: rows and a grid
 def test_torch_written_sharded_checkpoints_pass(
-    tmp_path: Path, world: int, impl: ModuleType
+    tmp_path_factory: pytest.TempPathFactory, world: int, impl: ModuleType
 ) -> None:
-    keys = run_gloo(world, _layout_fns.torch_saves_sharded, str(tmp_path), timeout=120.0)[0]
-    md = load_metadata((tmp_path / ".metadata").read_bytes(), file=".metadata")
+    path, keys = _torch_written(tmp_path_factory, world)
+    md = load_metadata((path / ".metadata").read_bytes(), file=".metadata")
     assert sorted(md.state_dict_metadata) == keys
     check_stored_layout(md)
-    assert verify_checkpoint(tmp_path).problems == []  # torch writes no checksums
+    assert verify_checkpoint(path).problems == []  # torch writes no checksums
     dest = {k: torch.zeros(tuple(md.state_dict_metadata[k].size)) for k in keys}  # type: ignore[union-attr]
-    impl.load(dest, checkpoint_id=tmp_path)
+    impl.load(dest, checkpoint_id=path)
     assert torch.equal(dest["plain"], torch.arange(35.0).reshape(7, 5))
     assert torch.equal(dest["rows"], dest["plain"]) and torch.equal(
         dest["grid" if world > 1 else "cols"], dest["plain"]
