@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ def _data_file(path: Path) -> Path:
 @pytest.mark.spec("STORE-13", "INTEG-3")
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_truncated_data_file_names_where_the_data_ends(tmp_path: Path, verify: bool) -> None:
+    # single path: the fast reader's own messages and spies (offsets, in-place reads)
     refdcp.save(
         {"w": torch.arange(64, dtype=torch.int64)}, checkpoint_id=str(tmp_path), no_dist=True
     )
@@ -54,21 +56,21 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 @pytest.mark.spec("STORE-11")
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int8])
-def test_one_byte_tensors_are_read(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_one_byte_tensors_are_read(tmp_path: Path, dtype: torch.dtype, impl: ModuleType) -> None:
     src = torch.tensor([1], dtype=dtype)
-    refdcp.save({"b": src, "s": src.reshape(())}, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save({"b": src, "s": src.reshape(())}, checkpoint_id=str(tmp_path), no_dist=True)
     dest = {"b": torch.zeros(1, dtype=dtype), "s": torch.zeros((), dtype=dtype)}
-    refdcp.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(dest["b"], src) and torch.equal(dest["s"], src.reshape(()))
 
 
 @pytest.mark.spec("STORE-12", "INTEG-3")
-def test_verified_partial_reads_take_only_their_box(tmp_path: Path) -> None:
+def test_verified_partial_reads_take_only_their_box(tmp_path: Path, impl: ModuleType) -> None:
     full = torch.arange(8.0)
-    refdcp.save({"x": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save({"x": full}, checkpoint_id=str(tmp_path), no_dist=True)
     for off, n in [(0, 4), (4, 4), (2, 3)]:
         part = refdcp.LocalShards((8,), [((off,), torch.zeros(n))])
-        refdcp.load({"x": part}, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
+        impl.load({"x": part}, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
         assert torch.equal(part.chunks[0][1], full[off : off + n])
 
 
@@ -79,11 +81,11 @@ class _NotATensorPlanner(DefaultSavePlanner):
 
 
 @pytest.mark.spec("STORE-12", "STORE-8")
-def test_writer_arguments_and_item_kinds_are_checked(tmp_path: Path) -> None:
+def test_writer_arguments_and_item_kinds_are_checked(tmp_path: Path, impl: ModuleType) -> None:
     with pytest.raises(ValueError, match="thread_count must be >= 1"):
         FileSystemWriter(tmp_path, thread_count=0)
     with pytest.raises((refdcp.CheckpointError, RefdcpError)) as err:
-        refdcp.save(
+        impl.save(
             {"w": torch.ones(2)},
             checkpoint_id=str(tmp_path / "a"),
             planner=_NotATensorPlanner(),
@@ -96,6 +98,7 @@ def test_writer_arguments_and_item_kinds_are_checked(tmp_path: Path) -> None:
 def test_the_metadata_temp_file_is_fsynced_before_the_rename(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast FileSystemWriter's fsync before its rename
     events: list[str] = []
     real_fsync, real_replace = fs.os.fsync, fs.os.replace
 
@@ -138,9 +141,10 @@ def test_pool_arguments_and_failed_copies(tmp_path: Path) -> None:
 @pytest.mark.spec("INTEG-2")
 def test_a_key_that_looks_like_the_trailer_does_not_confuse_the_metadata_check(
     tmp_path: Path,
+    impl: ModuleType,
 ) -> None:
     key = "#refdcp-crc32c:00000000\n"
-    refdcp.save({key: torch.ones(2), "x": 1}, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save({key: torch.ones(2), "x": 1}, checkpoint_id=str(tmp_path), no_dist=True)
     md = FileSystemReader(tmp_path).read_metadata()
     assert key in md.state_dict_metadata
 
@@ -161,6 +165,7 @@ def test_a_file_shrinking_under_a_read_is_named_not_delivered(tmp_path: Path) ->
 
 @pytest.mark.spec("INTEG-3")
 def test_verifying_a_short_blob_says_truncated(tmp_path: Path) -> None:
+    # single path: the fast FileSystemReader and verify_blob; the save is a fixture
     from refdcp.storage.format.items import verify_blob
 
     refdcp.save({"w": torch.arange(16.0)}, checkpoint_id=str(tmp_path), no_dist=True)
@@ -175,20 +180,21 @@ def test_verifying_a_short_blob_says_truncated(tmp_path: Path) -> None:
 
 
 @pytest.mark.spec("STORE-1", "STORE-2")
-def test_save_and_load_leave_no_file_descriptor_open(tmp_path: Path) -> None:
+def test_save_and_load_leave_no_file_descriptor_open(tmp_path: Path, impl: ModuleType) -> None:
     def open_fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))
 
     sd = {f"t{i}": torch.arange(4.0) + i for i in range(5)}
-    refdcp.save(sd, checkpoint_id=str(tmp_path / "warm"), no_dist=True)  # pools and threads start
+    impl.save(sd, checkpoint_id=str(tmp_path / "warm"), no_dist=True)  # pools and threads start
     before = open_fds()
-    refdcp.save(sd, storage_writer=FileSystemWriter(tmp_path / "c", sync_files=True), no_dist=True)
-    refdcp.load({k: torch.zeros(4) for k in sd}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    impl.save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    impl.load({k: torch.zeros(4) for k in sd}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert open_fds() <= before
 
 
 @pytest.mark.spec("STORE-12")
 def test_a_read_of_a_chunk_missing_from_the_metadata_is_an_error(tmp_path: Path) -> None:
+    # single path: the fast FileSystemReader and verify_blob; the save is a fixture
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     refdcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path), no_dist=True)
@@ -214,6 +220,7 @@ def test_a_read_of_a_chunk_missing_from_the_metadata_is_an_error(tmp_path: Path)
 def test_a_short_read_of_an_object_is_named_not_delivered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast reader's own messages and spies (offsets, in-place reads)
     refdcp.save({"obj": {"lr": 0.5}}, checkpoint_id=str(tmp_path), no_dist=True)
     real = fs._pread_into
     monkeypatch.setattr(fs, "_pread_into", lambda fd, view, off: real(fd, view[:-1], off))

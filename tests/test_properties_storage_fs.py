@@ -6,6 +6,7 @@ import os
 import random
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -48,22 +49,28 @@ def test_buckets_are_torchs(items: list[WriteItem], n: int) -> None:
     assert [[i.index for i in b] for b in ours] == [[i.index for i in b] for b in theirs]
 
 
-def _round_trip(tmp: Path, sd: dict[str, Any], **writer: Any) -> dict[str, Any]:
-    refdcp.save(sd, storage_writer=FileSystemWriter(tmp, **writer), no_dist=True)
+def _round_trip(impl: ModuleType, tmp: Path, sd: dict[str, Any], **writer: Any) -> dict[str, Any]:
+    """Save with the fast FileSystemWriter's ``writer`` options, or with ``impl``'s own writer."""
+    if writer:
+        impl.save(sd, storage_writer=FileSystemWriter(tmp, **writer), no_dist=True)
+    else:
+        impl.save(sd, checkpoint_id=str(tmp), no_dist=True)
     dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
-    refdcp.load(dest, checkpoint_id=str(tmp), no_dist=True)
+    impl.load(dest, checkpoint_id=str(tmp), no_dist=True)
     return dest
 
 
 @pytest.mark.spec("STORE-8", "STORE-2")
 def test_more_small_items_in_one_file_than_writev_takes_at_once(tmp_path: Path) -> None:
+    # single path: the fast FileSystemWriter's writev batching
     sd = {f"t{i}": torch.tensor([i], dtype=torch.int32) for i in range(2500)}
-    back = _round_trip(tmp_path, sd, thread_count=1, single_file_per_rank=True)
+    back = _round_trip(refdcp, tmp_path, sd, thread_count=1, single_file_per_rank=True)
     assert all(int(back[k].item()) == i for i, k in enumerate(sd))
 
 
 @pytest.mark.spec("STORE-8", "STORE-2")
 def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # single path: the fast FileSystemWriter's writev batching
     real = os.writev
 
     def short(fd: int, views: list[Any]) -> int:  # the kernel may write less than asked
@@ -71,7 +78,7 @@ def test_short_writes_are_resumed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(fs.os, "writev", short)
     sd = {f"t{i}": torch.arange(i + 5, dtype=torch.float32) for i in range(6)}
-    back = _round_trip(tmp_path, sd, thread_count=1)
+    back = _round_trip(refdcp, tmp_path, sd, thread_count=1)
     assert all(torch.equal(back[k], v) for k, v in sd.items())
 
 
@@ -89,9 +96,11 @@ def test_without_collectives_each_rank_names_its_own_files(tmp_path: Path) -> No
 
 
 @pytest.mark.spec("STORE-1")
-def test_saving_creates_missing_parent_directories_and_plain_file_modes(tmp_path: Path) -> None:
+def test_saving_creates_missing_parent_directories_and_plain_file_modes(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     deep = tmp_path / "a" / "b" / "c"
-    back = _round_trip(deep, {"w": torch.ones(3)})
+    back = _round_trip(impl, deep, {"w": torch.ones(3)})
     assert torch.equal(back["w"], torch.ones(3))
     for p in deep.iterdir():
         assert p.stat().st_mode & 0o111 == 0, p  # no file is executable
@@ -104,11 +113,11 @@ class _StrBytesPlanner(DefaultSavePlanner):
 
 
 @pytest.mark.spec("STORE-12")
-def test_bytes_item_that_is_not_bytes_is_an_error_naming_the_key(tmp_path: Path) -> None:
+def test_bytes_item_that_is_not_bytes_is_an_error_naming_the_key(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     with pytest.raises((refdcp.CheckpointError, RefdcpError)) as err:
-        refdcp.save(
-            {"obj": 5}, checkpoint_id=str(tmp_path), planner=_StrBytesPlanner(), no_dist=True
-        )
+        impl.save({"obj": 5}, checkpoint_id=str(tmp_path), planner=_StrBytesPlanner(), no_dist=True)
     assert "obj: BYTE_IO data must be io.BytesIO" in str(err.value)
 
 
@@ -116,6 +125,7 @@ def test_bytes_item_that_is_not_bytes_is_an_error_naming_the_key(tmp_path: Path)
 def test_a_failed_rename_leaves_no_temp_file_and_no_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: monkeypatches the fast FileSystemWriter's rename
     def refuse(a: Any, b: Any, **kw: Any) -> None:
         raise OSError("rename refused")
 
@@ -130,6 +140,7 @@ def test_a_failed_rename_leaves_no_temp_file_and_no_checkpoint(
 def test_sync_files_fsyncs_the_directory_after_the_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast FileSystemWriter's fsync order and stale-file removal (REF-8)
     order: list[str] = []
     real_replace, real_sync = fs.os.replace, fs._fsync_dir
     monkeypatch.setattr(
@@ -149,6 +160,7 @@ def test_sync_files_fsyncs_the_directory_after_the_commit(
 def test_a_stale_file_that_cannot_be_removed_is_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast FileSystemWriter's fsync order and stale-file removal (REF-8)
     refdcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
 
     real_unlink = fs.os.unlink
@@ -170,13 +182,15 @@ def test_a_stale_file_that_cannot_be_removed_is_a_warning(
 
 
 @pytest.mark.spec("STORE-11", "STORE-12")
-def test_reads_into_destinations_the_fast_path_cannot_take(tmp_path: Path) -> None:
+def test_reads_into_destinations_the_fast_path_cannot_take(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     """torch's planner resolves to the destination itself: non-contiguous, or another dtype."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner as TorchLoadPlanner
 
     src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    refdcp.save({"a": src, "b": src, "c": src}, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save({"a": src, "b": src, "c": src}, checkpoint_id=str(tmp_path), no_dist=True)
     noncontig = torch.zeros(6, 4).t()  # a non-contiguous view of the right shape
     cast = torch.zeros(4, 6, dtype=torch.float64)  # another dtype
     plain = torch.zeros(4, 6)  # the fast path
@@ -194,8 +208,8 @@ def test_reads_into_destinations_the_fast_path_cannot_take(tmp_path: Path) -> No
 
 
 @pytest.mark.spec("INTEG-2")
-def test_a_metadata_checksum_mismatch_names_offset_zero(tmp_path: Path) -> None:
-    refdcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
+def test_a_metadata_checksum_mismatch_names_offset_zero(tmp_path: Path, impl: ModuleType) -> None:
+    impl.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), no_dist=True)
     md = FileSystemReader(tmp_path).read_metadata()
     data = bytearray(dump_metadata(md))
     data[5] ^= 0xFF
@@ -243,6 +257,7 @@ def test_storage_meta_names_the_path_and_this_saves_id(tmp_path: Path) -> None:
 def test_more_object_items_in_one_file_than_writev_takes_at_once(tmp_path: Path) -> None:
     """Objects (BYTE_IO items) go through the general write path: its parts are flushed before
     the iovec count exceeds what one writev takes."""
+    # single path: the fast FileSystemWriter's writev batching
     sd: dict[str, Any] = {f"o{i}": i for i in range(2500)}
-    back = _round_trip(tmp_path, sd, thread_count=1, single_file_per_rank=True)
+    back = _round_trip(refdcp, tmp_path, sd, thread_count=1, single_file_per_rank=True)
     assert [back[k] for k in sd] == list(range(2500))

@@ -24,6 +24,8 @@ import refdcp
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.tools.cli import main
 
+SINGLE_PATH = "the refdcp CLI's error reporting (TOOL-12..14); the saved checkpoint is a fixture"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -35,11 +36,11 @@ def _state(rank: int) -> dict[str, Any]:
     return {"w": torch.full((4,), 7.0), f"own{rank}": torch.arange(3.0), "step": 5}
 
 
-def _loads(path: Path) -> bool:
+def _loads(path: Path, impl: ModuleType = refdcp) -> bool:
     if not (path / ".metadata").exists():
         return False
     dest = {"w": torch.zeros(4), "own0": torch.zeros(3), "step": 0}
-    refdcp.load(dest, checkpoint_id=str(path), no_dist=True)
+    impl.load(dest, checkpoint_id=str(path), no_dist=True)
     return bool(dest["step"] == 5)
 
 
@@ -61,6 +62,7 @@ def _contexts(path: Path, world: int) -> list[SaveContext]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_dying_at_any_point_never_yields_a_false_status(tmp_path: Path, world: int) -> None:
     """Simulator: kill every rank before every action; each survivor's status is true or None."""
+    # single path: refdcp.tools.simulate runs the default path's step bodies and storage
     clean = simulate(SAVE, _contexts(tmp_path / "clean", world))
     unknown = 0
     for victim in range(world):
@@ -89,6 +91,7 @@ def _broadcast_index(actions: list[Any]) -> int:
 
 @pytest.mark.spec("SAVE-15")
 def test_simulator_coordinator_dies_after_commit(tmp_path: Path) -> None:
+    # single path: refdcp.tools.simulate runs the default path's step bodies and storage
     clean = simulate(SAVE, _contexts(tmp_path / "clean", 2))
     index = _broadcast_index(clean.actions[0])
     fault = Fault(0, index, SystemExit("killed"), dies=True)
@@ -115,10 +118,10 @@ class _DiesAtOutcome:
 
 
 @pytest.mark.spec("SAVE-15", "COMM-61")
-def test_fakeworld_coordinator_dies_after_commit(tmp_path: Path) -> None:
+def test_fakeworld_coordinator_dies_after_commit(tmp_path: Path, impl: ModuleType) -> None:
     def rank_main(comm: FakeComm) -> Any:
         wrapped: Any = _DiesAtOutcome(comm)
-        return refdcp.save(_state(comm.rank), checkpoint_id=str(tmp_path), comm=wrapped)
+        return impl.save(_state(comm.rank), checkpoint_id=str(tmp_path), comm=wrapped)
 
     out = FakeWorld(2, timeout=30).run(rank_main, return_exceptions=True)
     assert isinstance(out[0], SystemExit)
@@ -126,7 +129,7 @@ def test_fakeworld_coordinator_dies_after_commit(tmp_path: Path) -> None:
     assert isinstance(err, CheckpointError)
     assert err.committed is None  # was False: a lie, the path loads the new checkpoint
     assert "UNKNOWN" in str(err) and 0 in err.rank_failures
-    assert _loads(tmp_path)
+    assert _loads(tmp_path, impl)
 
 
 def _failing_dir_fsync(after_rename: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -148,6 +151,7 @@ def _failing_dir_fsync(after_rename: bool, monkeypatch: pytest.MonkeyPatch) -> N
 def test_directory_fsync_failing_after_the_rename_reports_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the commit mark of SAVE-16 is the fast FileSystemWriter's declaration
     _failing_dir_fsync(after_rename=True, monkeypatch=monkeypatch)
 
     def rank_main(comm: FakeComm) -> Any:
@@ -165,6 +169,7 @@ def test_directory_fsync_failing_after_the_rename_reports_committed(
 def test_directory_fsync_failing_before_the_rename_reports_not_committed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the commit mark of SAVE-16 is the fast FileSystemWriter's declaration
     _failing_dir_fsync(after_rename=False, monkeypatch=monkeypatch)
     with pytest.raises(CheckpointError) as info:
         refdcp.save(_state(0), checkpoint_id=str(tmp_path), no_dist=True)
@@ -172,34 +177,32 @@ def test_directory_fsync_failing_before_the_rename_reports_not_committed(
     assert not (tmp_path / ".metadata").exists()
 
 
-class FinishRaisesAfterCommit(FileSystemWriter):
-    """A third-party-like writer: commits, then raises from finish (declares nothing)."""
-
-    def finish(self, metadata: Any, results: Any) -> None:
-        super().finish(metadata, results)
-        raise RuntimeError("post-commit bookkeeping failed")
+def _raises_after_commit(self: Any, metadata: Any, results: Any) -> None:
+    """A third-party-like writer's finish: commits, then raises (declares nothing)."""
+    type(self).__mro__[1].finish(self, metadata, results)
+    raise RuntimeError("post-commit bookkeeping failed")
 
 
-class FinishDeclaresCommit(FileSystemWriter):
-    """A writer that says it had committed when it raised."""
-
-    def finish(self, metadata: Any, results: Any) -> None:
-        super().finish(metadata, results)
-        exc = RuntimeError("upload of the index failed after the commit")
-        mark(exc, True)
-        raise exc
+def _declares_commit(self: Any, metadata: Any, results: Any) -> None:
+    """A writer's finish that says it had committed when it raised."""
+    type(self).__mro__[1].finish(self, metadata, results)
+    exc = RuntimeError("upload of the index failed after the commit")
+    mark(exc, True)
+    raise exc
 
 
 @pytest.mark.spec("SAVE-15", "SAVE-16")
 @pytest.mark.parametrize(
-    ("writer_cls", "expected"), [(FinishRaisesAfterCommit, None), (FinishDeclaresCommit, True)]
+    ("finish", "expected"), [(_raises_after_commit, None), (_declares_commit, True)]
 )
 def test_finish_raising_after_commit(
-    tmp_path: Path, writer_cls: type[FileSystemWriter], expected: bool | None
+    tmp_path: Path, finish: Any, expected: bool | None, impl: ModuleType
 ) -> None:
+    writer_cls = type("Writer", (impl.FileSystemWriter,), {"finish": finish})
+
     def rank_main(comm: FakeComm) -> Any:
         w = writer_cls(str(tmp_path), sync_files=False)
-        return refdcp.save(_state(comm.rank), storage_writer=w, comm=comm)
+        return impl.save(_state(comm.rank), storage_writer=w, comm=comm)
 
     errors = FakeWorld(3, timeout=30).run(rank_main, return_exceptions=True)
     for err in errors:
@@ -207,6 +210,6 @@ def test_finish_raising_after_commit(
         assert err.steps == {0: "commit"}
     text = str(errors[1])
     assert ("StorageWriter.finish raised on rank 0" in text) == (expected is None)
-    assert _loads(tmp_path)
+    assert _loads(tmp_path, impl)
     again = CheckpointError.__reduce__(errors[2])
     assert again[1][2] is expected  # survives pickling (ERR-3)

@@ -15,6 +15,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -36,11 +37,11 @@ def _state(rank: int, v: float) -> dict[str, Any]:
     return {"w": torch.full((8,), v), f"own{rank}": torch.full((3,), v + rank), "step": int(v)}
 
 
-def _loaded(path: Path, world: int) -> float:
+def _loaded(path: Path, world: int, impl: ModuleType = refdcp) -> float:
     """The value a checkpoint at ``path`` holds, checked whole (``verify=True``)."""
     dest: dict[str, Any] = {"w": torch.zeros(8), "step": 0}
     dest.update({f"own{r}": torch.zeros(3) for r in range(world)})
-    refdcp.load(dest, checkpoint_id=path, verify=True, no_dist=True)
+    impl.load(dest, checkpoint_id=path, verify=True, no_dist=True)
     v = float(dest["w"][0])
     assert dest["step"] == int(v)
     for r in range(world):
@@ -54,9 +55,11 @@ def _failure(err: BaseException) -> BaseException:
     return failure.exception
 
 
-def _save_all(path: Path, world: int, v: float, fault: Any = None) -> list[Any]:
+def _save_all(
+    path: Path, world: int, v: float, fault: Any = None, impl: ModuleType = refdcp
+) -> list[Any]:
     def rank_main(comm: FakeComm) -> Any:
-        return refdcp.save(
+        return impl.save(
             _state(comm.rank, v),
             checkpoint_id=path,
             comm=comm,
@@ -79,6 +82,7 @@ def _before_commit(action_hook: Any) -> Any:
 def test_a_symlink_re_pointed_before_finish_commits_where_the_data_is(
     tmp_path: Path, world: int
 ) -> None:
+    # single path: STORE-57/58 resolve the directory once, the fast FileSystemWriter's descriptor
     a, b, link = tmp_path / "a", tmp_path / "b", tmp_path / "ckpt"
     a.mkdir()
     b.mkdir()
@@ -108,6 +112,7 @@ def test_a_symlink_re_pointed_before_finish_commits_where_the_data_is(
 def test_a_directory_renamed_before_finish_commits_in_it_and_says_where(
     tmp_path: Path, world: int, replaced_by: str
 ) -> None:
+    # single path: STORE-57/58 resolve the directory once, the fast FileSystemWriter's descriptor
     path, moved_to = tmp_path / "ckpt", tmp_path / "elsewhere"
     _save_all(path, world, 1.0)
 
@@ -153,6 +158,7 @@ class _RePointsAfterOpening(FileSystemWriter):
 @pytest.mark.spec("STORE-57")
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_opened_another_directory_refuse_to_write(tmp_path: Path, world: int) -> None:
+    # single path: STORE-57/58 resolve the directory once, the fast FileSystemWriter's descriptor
     a, b, link = tmp_path / "a", tmp_path / "b", tmp_path / "ckpt"
     a.mkdir()
     b.mkdir()
@@ -178,14 +184,16 @@ def test_ranks_that_opened_another_directory_refuse_to_write(tmp_path: Path, wor
 
 @pytest.mark.spec("STORE-57")
 @pytest.mark.parametrize("world", [1, 3])
-def test_a_symlinked_path_left_alone_saves_and_loads_as_usual(tmp_path: Path, world: int) -> None:
+def test_a_symlinked_path_left_alone_saves_and_loads_as_usual(
+    tmp_path: Path, world: int, impl: ModuleType
+) -> None:
     a, link = tmp_path / "a", tmp_path / "ckpt"
     a.mkdir()
     os.symlink(a, link)
     for v in (1.0, 2.0):
-        results = _save_all(link, world, v)
+        results = _save_all(link, world, v, impl=impl)
         assert not any(isinstance(r, BaseException) for r in results), results
-        assert _loaded(link, world) == v
+        assert _loaded(link, world, impl) == v
     assert os.path.islink(link) and (a / layout.METADATA_NAME).is_file()
 
 
@@ -193,6 +201,7 @@ def test_a_symlinked_path_left_alone_saves_and_loads_as_usual(tmp_path: Path, wo
 def test_a_used_writer_pickles_without_its_descriptor(tmp_path: Path) -> None:
     """A writer sent to another process (async_save's process executor) carries no
     descriptor number that would mean another file there; it saves again as usual."""
+    # single path: STORE-57/58 resolve the directory once, the fast FileSystemWriter's descriptor
     import pickle
 
     writer = FileSystemWriter(tmp_path, sync_files=False)

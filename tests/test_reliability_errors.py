@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 from refdcp.planning import DefaultLoadPlanner, DefaultSavePlanner
@@ -62,11 +62,13 @@ def _bad_values() -> dict[str, tuple[Any, str]]:
 
 @pytest.mark.spec("SAVE-12", "SAVE-13")
 @pytest.mark.parametrize("name", list(_bad_values()))
-def test_save_refuses_and_names_key_type_and_option(tmp_path: Path, name: str) -> None:
+def test_save_refuses_and_names_key_type_and_option(
+    tmp_path: Path, name: str, impl: ModuleType
+) -> None:
     value, phrase = _bad_values()[name]
     sd = {"model": {"layer": {name: value}, "ok": torch.ones(2)}, "step": 3}
     with pytest.raises(CheckpointError) as info:
-        refdcp.save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+        impl.save(sd, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     err = info.value
     assert err.step == "local_plan"  # refused while planning: before any byte is written
     cause = err.rank_failures[0].exception
@@ -82,6 +84,7 @@ def test_save_refuses_and_names_key_type_and_option(tmp_path: Path, name: str) -
 @pytest.mark.spec("SAVE-12")
 def test_numpy_values_are_refused_unless_the_default_allow_list_loads_them(
     tmp_path: Path,
+    impl: ModuleType,
 ) -> None:
     """Whether numpy loads by default is the allow-list's decision; save and load agree on it."""
     sd = {"arr": np.arange(3), "scalar": np.float32(1.5)}
@@ -89,19 +92,19 @@ def test_numpy_values_are_refused_unless_the_default_allow_list_loads_them(
     path = str(tmp_path / "np")
     if any(problems.values()):
         with pytest.raises(CheckpointError, match=r"'arr'|'scalar'"):
-            refdcp.save(dict(sd), checkpoint_id=path, no_dist=True)
+            impl.save(dict(sd), checkpoint_id=path, no_dist=True)
         return
-    refdcp.save(dict(sd), checkpoint_id=path, no_dist=True)  # pragma: no cover - with dropin's list
+    impl.save(dict(sd), checkpoint_id=path, no_dist=True)  # pragma: no cover - with dropin's list
     dest: dict[str, Any] = {"arr": None, "scalar": None}
-    refdcp.load(dest, checkpoint_id=path, no_dist=True)
+    impl.load(dest, checkpoint_id=path, no_dist=True)
     assert np.array_equal(dest["arr"], sd["arr"])
 
 
 @pytest.mark.spec("SAVE-12")
-def test_every_bad_key_is_listed_at_once_on_every_rank(tmp_path: Path) -> None:
+def test_every_bad_key_is_listed_at_once_on_every_rank(tmp_path: Path, impl: ModuleType) -> None:
     def rank_main(comm: Any) -> Any:
         sd = {"w": torch.ones(2), "lam": lambda: comm.rank, "meta": torch.empty(1, device="meta")}
-        return refdcp.save(sd, checkpoint_id=str(tmp_path / "c"), comm=comm)
+        return impl.save(sd, checkpoint_id=str(tmp_path / "c"), comm=comm)
 
     errors = FakeWorld(2, timeout=30).run(rank_main, return_exceptions=True)
     for err in errors:
@@ -120,27 +123,29 @@ def test_plain_values_pass_without_a_round_trip() -> None:
 
 
 @pytest.mark.spec("SAVE-12", "SAVE-14")
-def test_allowed_user_type_saves_and_a_load_without_it_names_the_key(tmp_path: Path) -> None:
+def test_allowed_user_type_saves_and_a_load_without_it_names_the_key(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     path = str(tmp_path / "u")
     planner = DefaultSavePlanner(safe_globals=[UserThing])
-    refdcp.save({"cfg": {"thing": UserThing(5)}}, checkpoint_id=path, no_dist=True, planner=planner)
+    impl.save({"cfg": {"thing": UserThing(5)}}, checkpoint_id=path, no_dist=True, planner=planner)
     with pytest.raises(CheckpointError) as info:
-        refdcp.load({"cfg": {"thing": None}}, checkpoint_id=path, no_dist=True)
+        impl.load({"cfg": {"thing": None}}, checkpoint_id=path, no_dist=True)
     text = str(info.value)
     assert "'cfg.thing'" in text and "safe_globals" in text and "allow_pickle" in text
     dest: dict[str, Any] = {"cfg": {"thing": None}}
-    refdcp.load(
-        dest, checkpoint_id=path, no_dist=True, planner=DefaultLoadPlanner(allow_pickle=True)
-    )
+    impl.load(dest, checkpoint_id=path, no_dist=True, planner=DefaultLoadPlanner(allow_pickle=True))
     assert dest["cfg"]["thing"] == UserThing(5)
 
 
 @pytest.mark.spec("ASYNC-17")
 @pytest.mark.parametrize("name", ["meta", "coo", "lock", "gen"])
-def test_async_save_staging_refusal_names_the_key(tmp_path: Path, name: str) -> None:
+def test_async_save_staging_refusal_names_the_key(
+    tmp_path: Path, name: str, impl: ModuleType
+) -> None:
     value, phrase = _bad_values()[name]
     with pytest.raises(UnloadableValueError) as info:
-        handle = refdcp.async_save(
+        handle = impl.async_save(
             {"model": {name: value}}, checkpoint_id=str(tmp_path), no_dist=True
         )
         handle.result(timeout=60)

@@ -9,6 +9,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -42,6 +43,7 @@ def _failure(err: CheckpointError) -> BaseException:
 
 @pytest.mark.spec("STORE-56")
 def test_a_planted_lock_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    # single path: the reference takes no directory lock (REF-8)
     root = tmp_path / "ckpt"
     root.mkdir()
     outside = tmp_path / "precious.txt"
@@ -67,17 +69,17 @@ def _returns_within(fn: Any, seconds: float) -> bool:
 
 
 @pytest.mark.spec("STORE-56")
-def test_a_fifo_named_like_a_lock_never_blocks_a_save(tmp_path: Path) -> None:
+def test_a_fifo_named_like_a_lock_never_blocks_a_save(tmp_path: Path, impl: ModuleType) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
     fifo = root / "x.lock"
     os.mkfifo(fifo)
     try:
-        assert _returns_within(lambda: refdcp.save(_sd(), checkpoint_id=root), 60.0)
-        assert _returns_within(lambda: refdcp.save(_sd(2.0), checkpoint_id=root), 60.0)
+        assert _returns_within(lambda: impl.save(_sd(), checkpoint_id=root), 60.0)
+        assert _returns_within(lambda: impl.save(_sd(2.0), checkpoint_id=root), 60.0)
         assert live_lock_tokens(root) == set()
         dest = _sd(0.0)
-        refdcp.load(dest, checkpoint_id=root)
+        impl.load(dest, checkpoint_id=root)
         assert torch.equal(dest["w"], torch.full((4,), 2.0))
     finally:
         # release a scan blocked on the FIFO (the code before STORE-56), so no thread is left
@@ -100,15 +102,17 @@ def test_the_lock_scan_skips_links_and_fifos(tmp_path: Path) -> None:
 # -- convert opens data files as loads do (TOOL-29) ---------------------------------------------
 
 
-def _ckpt(root: Path) -> tuple[Path, str]:
-    md = refdcp.save({"w": torch.arange(8.0)}, checkpoint_id=root)
+def _ckpt(impl: ModuleType, root: Path) -> tuple[Path, str]:
+    md = impl.save({"w": torch.arange(8.0)}, checkpoint_id=root)
     (info,) = md.storage_data.values()
     return root, info.relative_path
 
 
 @pytest.mark.spec("TOOL-29")
-def test_convert_refuses_a_fifo_data_file_without_blocking(tmp_path: Path) -> None:
-    root, name = _ckpt(tmp_path / "ckpt")
+def test_convert_refuses_a_fifo_data_file_without_blocking(
+    tmp_path: Path, impl: ModuleType
+) -> None:
+    root, name = _ckpt(impl, tmp_path / "ckpt")
     (root / name).unlink()
     os.mkfifo(root / name)
     got: list[BaseException] = []
@@ -129,8 +133,8 @@ def test_convert_refuses_a_fifo_data_file_without_blocking(tmp_path: Path) -> No
 
 
 @pytest.mark.spec("TOOL-29")
-def test_convert_refuses_a_data_file_symlinked_outside(tmp_path: Path) -> None:
-    root, name = _ckpt(tmp_path / "ckpt")
+def test_convert_refuses_a_data_file_symlinked_outside(tmp_path: Path, impl: ModuleType) -> None:
+    root, name = _ckpt(impl, tmp_path / "ckpt")
     outside = tmp_path / "outside.distcp"
     shutil.move(root / name, outside)
     os.symlink(outside, root / name)
@@ -141,9 +145,9 @@ def test_convert_refuses_a_data_file_symlinked_outside(tmp_path: Path) -> None:
 
 @pytest.mark.spec("TOOL-29")
 def test_convert_checks_a_lying_length_before_allocating(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], impl: ModuleType
 ) -> None:
-    root, name = _ckpt(tmp_path / "ckpt")
+    root, name = _ckpt(impl, tmp_path / "ckpt")
     md = load_metadata((root / ".metadata").read_bytes(), file=".metadata")
     (info,) = md.storage_data.values()
     info.length = 1 << 40  # 1 TiB
@@ -160,6 +164,7 @@ def test_convert_checks_a_lying_length_before_allocating(
 
 @pytest.mark.spec("SAVE-17")
 def test_a_key_over_the_load_string_cap_is_refused_at_local_plan(tmp_path: Path) -> None:
+    # single path: the reference does not bound string lengths (REF-8, FMT-10)
     long_key = "k" * 100_000
     with pytest.raises(CheckpointError) as err:
         refdcp.save({long_key: torch.ones(2), "ok": torch.ones(1)}, checkpoint_id=tmp_path)
@@ -186,17 +191,18 @@ class _DirectoryReplaced(FileSystemWriter):
 @pytest.mark.spec("SAVE-16", "STORE-58")
 def test_a_directory_replaced_by_a_file_before_the_rename_commits_where_the_data_is(
     tmp_path: Path,
+    impl: ModuleType,
 ) -> None:
     """The save commits in the directory it opened (now ``ckpt.moved``) and says so, with
     commit status True; the file now at the path is left as it was."""
     root = tmp_path / "ckpt"
     with pytest.raises(CheckpointError) as err:
-        refdcp.save(_sd(), storage_writer=_DirectoryReplaced(root))
+        impl.save(_sd(), storage_writer=_DirectoryReplaced(root))
     assert err.value.committed is True, err.value.commit_status
     assert str(tmp_path / "ckpt.moved") in str(err.value)
     assert root.read_text() == "not a directory"
     out = {"w": torch.zeros(4), "cfg": {"lr": 0.0}}
-    refdcp.load(out, checkpoint_id=tmp_path / "ckpt.moved", verify=True)
+    impl.load(out, checkpoint_id=tmp_path / "ckpt.moved", verify=True)
     assert torch.equal(out["w"], _sd()["w"])
 
 
@@ -211,10 +217,10 @@ def _referenced(root: Path, name: str) -> set[str]:
 @pytest.mark.spec("STORE-33")
 @pytest.mark.parametrize("first", ["global", "rank-local"])
 def test_global_and_rank_local_checkpoints_in_one_directory_both_survive_saves(
-    tmp_path: Path, first: str
+    tmp_path: Path, first: str, impl: ModuleType
 ) -> None:
     def save(kind: str, v: float) -> None:
-        refdcp.save(_sd(v), checkpoint_id=tmp_path, use_collectives=kind == "global")
+        impl.save(_sd(v), checkpoint_id=tmp_path, use_collectives=kind == "global")
 
     other = "rank-local" if first == "global" else "global"
     save(first, 1.0)
@@ -225,5 +231,5 @@ def test_global_and_rank_local_checkpoints_in_one_directory_both_survive_saves(
         missing = {n for n in _referenced(tmp_path, name) if not (tmp_path / n).exists()}
         assert not missing, (name, missing)
     dest = _sd(0.0)
-    refdcp.load(dest, checkpoint_id=tmp_path)
+    impl.load(dest, checkpoint_id=tmp_path)
     assert torch.equal(dest["w"], torch.full((4,), 3.0 if first == "global" else 4.0))

@@ -13,6 +13,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -43,9 +44,9 @@ def _empty() -> dict[str, Any]:
     return sd
 
 
-def _save(path: Path, v: float) -> None:
+def _save(impl: ModuleType, path: Path, v: float) -> None:
     # several data files, so a load opens them one after another
-    refdcp.save(_state(v), storage_writer=FileSystemWriter(path, thread_count=3), no_dist=True)
+    impl.save(_state(v), storage_writer=FileSystemWriter(path, thread_count=3), no_dist=True)
 
 
 def _one_checkpoint(sd: dict[str, Any]) -> float:
@@ -67,13 +68,14 @@ def test_a_save_committing_during_a_load_is_reported_as_a_replaced_checkpoint(
     tmp_path: Path, world: int
 ) -> None:
     """A full overwriting save runs between the load's metadata read and its reads."""
-    _save(tmp_path, 1.0)
+    # single path: the reference does not compare the metadata its ranks read (REF-8, LOAD-23)
+    _save(refdcp, tmp_path, 1.0)
     done = threading.Event()
 
     def fault(i: int, action: Action) -> None:
         if action.step == Step.READ and not done.is_set():
             done.set()
-            _save(tmp_path, 2.0)
+            _save(refdcp, tmp_path, 2.0)
 
     def rank_main(comm: FakeComm) -> Any:
         dest = _empty()
@@ -107,6 +109,7 @@ class _KeepsOldFiles(FileSystemWriter):
 def test_ranks_that_read_different_commits_refuse_before_reading(tmp_path: Path) -> None:
     """Rank 0 reads ``.metadata`` before a commit and rank 1 after it, while the old data
     files still exist: without the check each rank would load a different checkpoint."""
+    # single path: the reference does not compare the metadata its ranks read (REF-8, LOAD-23)
     refdcp.save(_state(1.0), storage_writer=_KeepsOldFiles(tmp_path), no_dist=True)
     first_read = threading.Event()
 
@@ -136,12 +139,14 @@ def test_ranks_that_read_different_commits_refuse_before_reading(tmp_path: Path)
 
 
 @pytest.mark.spec("LOAD-22")
-def test_a_missing_data_file_without_a_new_commit_is_corruption(tmp_path: Path) -> None:
-    _save(tmp_path, 1.0)
+def test_a_missing_data_file_without_a_new_commit_is_corruption(
+    tmp_path: Path, impl: ModuleType
+) -> None:
+    _save(impl, tmp_path, 1.0)
     victim = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))[-1]
     os.unlink(tmp_path / victim)
     with pytest.raises(CheckpointError) as err:
-        refdcp.load(_empty(), checkpoint_id=tmp_path, no_dist=True)
+        impl.load(_empty(), checkpoint_id=tmp_path, no_dist=True)
     cause = _cause(err.value)
     assert isinstance(cause, CorruptionError) and not isinstance(cause, FileNotFoundError)
     assert "data file missing" in str(cause) and victim in str(cause)
@@ -154,7 +159,8 @@ def test_loads_racing_overwriting_saves_return_one_checkpoint_or_say_it_was_repl
     """Stress, bounded in count: a saver thread overwrites the checkpoint 40 times while
     loads run back to back; each load returns one committed checkpoint's values or
     raises CheckpointReplacedError, nothing else."""
-    _save(tmp_path, 0.0)
+    # single path: the reference does not compare the metadata its ranks read (REF-8, LOAD-23)
+    _save(refdcp, tmp_path, 0.0)
     stop = threading.Event()
     saver_errors: list[BaseException] = []
 
@@ -163,7 +169,7 @@ def test_loads_racing_overwriting_saves_return_one_checkpoint_or_say_it_was_repl
             for v in range(1, 41):
                 if stop.is_set():
                     return
-                _save(tmp_path, float(v))
+                _save(refdcp, tmp_path, float(v))
         except BaseException as exc:  # reported below
             saver_errors.append(exc)
         finally:

@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import refdcp
+from refdcp.errors import CheckpointError
 from refdcp.storage import FileSystemReader, UnsafeMetadataError
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.storage.verify import MetadataUnreadableError, verify_checkpoint
@@ -50,9 +52,9 @@ def _empty() -> dict[str, Any]:
     return {"model.weight": torch.zeros(4, 4), "step": 0}
 
 
-def _ckpt(root: Path) -> Path:
+def _ckpt(impl: ModuleType, root: Path) -> Path:
     path = root / "ckpt"
-    refdcp.save(_sd(), checkpoint_id=path)
+    impl.save(_sd(), checkpoint_id=path)
     return path
 
 
@@ -103,9 +105,9 @@ def _refused(path: Path, match: str) -> None:
 @pytest.mark.spec("FMT-11", "FMT-10")
 @pytest.mark.parametrize("count", [64, 2000])
 def test_a_string_referenced_thousands_of_times_through_a_path_is_refused(
-    tmp_path: Path, count: int
+    tmp_path: Path, count: int, impl: ModuleType
 ) -> None:
-    path = _ckpt(tmp_path)
+    path = _ckpt(impl, tmp_path)
     md = _md(path)
     md.storage_meta = StorageMeta(checkpoint_id=_PathBomb("x" * (1 << 20), count))  # type: ignore[arg-type]
     blob = dump_metadata(md)
@@ -117,8 +119,8 @@ def test_a_string_referenced_thousands_of_times_through_a_path_is_refused(
 
 
 @pytest.mark.spec("FMT-11")
-def test_sizes_copied_from_one_memoized_tuple_are_refused(tmp_path: Path) -> None:
-    path = _ckpt(tmp_path)
+def test_sizes_copied_from_one_memoized_tuple_are_refused(tmp_path: Path, impl: ModuleType) -> None:
+    path = _ckpt(impl, tmp_path)
     md = _md(path)
     shared = tuple(range(200))
     md.planner_data = [_SizeBomb(shared) for _ in range(20_000)]  # 4M ints from ~120 kB
@@ -151,9 +153,9 @@ def test_a_state_dict_built_into_many_objects_is_refused() -> None:
 
 @pytest.mark.spec("FMT-10")
 def test_a_huge_sparse_metadata_is_refused_unread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, impl: ModuleType
 ) -> None:
-    path = _ckpt(tmp_path)
+    path = _ckpt(impl, tmp_path)
     with open(path / ".metadata", "r+b") as f:
         f.truncate(3 << 30)  # 3 GiB, sparse
     read = 0
@@ -172,9 +174,10 @@ def test_a_huge_sparse_metadata_is_refused_unread(
 
 @pytest.mark.spec("FMT-10")
 def test_limits_are_configurable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # single path: FMT-10's configurable limits are the fast reader's (REF-8)
     from refdcp.storage.metadata.limits import set_metadata_limits
 
-    path = _ckpt(tmp_path)
+    path = _ckpt(refdcp, tmp_path)
     size = (path / ".metadata").stat().st_size
     previous = set_metadata_limits(max_file_bytes=size - 1)
     try:
@@ -237,18 +240,25 @@ _MUTATIONS: dict[str, tuple[Callable[[Metadata], None], str]] = {
 
 @pytest.mark.spec("FMT-9")
 @pytest.mark.parametrize("case", sorted(_MUTATIONS))
-def test_every_field_is_type_checked_and_named(tmp_path: Path, case: str) -> None:
-    from refdcp.storage.errors import MalformedMetadataError
+def test_every_field_is_type_checked_and_named(tmp_path: Path, case: str, impl: ModuleType) -> None:
+    from refdcp.storage.errors import FormatVersionError, MalformedMetadataError
 
-    path = _ckpt(tmp_path)
+    path = _ckpt(impl, tmp_path)
     md = _md(path)
     mutate, match = _MUTATIONS[case]
     mutate(md)
     (path / ".metadata").write_bytes(dump_metadata(md))
     with pytest.raises(MalformedMetadataError, match=match):
         load_metadata((path / ".metadata").read_bytes())
-    with pytest.raises(BaseException, match=match):
-        refdcp.load(_empty(), checkpoint_id=path)
+    if impl is refdcp:  # the fast reader's messages (FMT-9)
+        with pytest.raises(BaseException, match=match):
+            impl.load(_empty(), checkpoint_id=path)
+        return
+    with pytest.raises(CheckpointError) as info:  # the reference: refused, named, before reading
+        impl.load(_empty(), checkpoint_id=path)
+    (failure,) = info.value.rank_failures.values()
+    assert info.value.step == "set_up"
+    assert isinstance(failure.exception, (MalformedMetadataError, FormatVersionError))
 
 
 def _big_metadata(n: int) -> Metadata:

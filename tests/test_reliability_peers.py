@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -59,10 +60,12 @@ def _check_survivors(out: list[Any], culprit: int, exc_type: type[BaseException]
 
 @pytest.mark.spec("ERR-10")
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
-def test_interrupt_in_a_local_step_reaches_every_peer(tmp_path: Path, exc_type: type) -> None:
+def test_interrupt_in_a_local_step_reaches_every_peer(
+    tmp_path: Path, exc_type: type, impl: ModuleType
+) -> None:
     def rank_main(comm: FakeComm) -> Any:
         app = Interrupting(exc_type("stop") if comm.rank == 1 else None)
-        return refdcp.save({"app": app}, checkpoint_id=str(tmp_path), comm=comm)
+        return impl.save({"app": app}, checkpoint_id=str(tmp_path), comm=comm)
 
     out = FakeWorld(3, timeout=LONG).run(rank_main, return_exceptions=True, timeout=RUN_BOUND)
     _check_survivors(out, 1, exc_type)
@@ -70,13 +73,13 @@ def test_interrupt_in_a_local_step_reaches_every_peer(tmp_path: Path, exc_type: 
 
 
 @pytest.mark.spec("ERR-10", "PROTO-7")
-def test_interrupt_from_the_fault_hook_at_every_action(tmp_path: Path) -> None:
+def test_interrupt_from_the_fault_hook_at_every_action(tmp_path: Path, impl: ModuleType) -> None:
     """SystemExit before each action of rank 1: every survivor names rank 1, nobody hangs."""
     n_actions: dict[int, int] = {}
 
     def count(comm: FakeComm) -> Any:
         seen: list[int] = []
-        refdcp.save(
+        impl.save(
             {"w": torch.ones(2)},
             checkpoint_id=str(tmp_path / "n"),
             comm=comm,
@@ -93,7 +96,7 @@ def test_interrupt_from_the_fault_hook_at_every_action(tmp_path: Path) -> None:
                 if comm.rank == 1 and i == index:
                     raise SystemExit(f"exit before action {i}")
 
-            return refdcp.save(
+            return impl.save(
                 {"w": torch.ones(2)},
                 checkpoint_id=str(tmp_path / f"i{index}"),
                 comm=comm,
@@ -127,10 +130,10 @@ class _LeavesInGather:
 
 
 @pytest.mark.spec("COMM-60", "COMM-61")
-def test_rank_leaving_inside_a_collective_is_named(tmp_path: Path) -> None:
+def test_rank_leaving_inside_a_collective_is_named(tmp_path: Path, impl: ModuleType) -> None:
     def rank_main(comm: FakeComm) -> Any:
         wrapped: Any = _LeavesInGather(comm)
-        return refdcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), comm=wrapped)
+        return impl.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), comm=wrapped)
 
     out = FakeWorld(3, timeout=LONG).run(rank_main, return_exceptions=True, timeout=RUN_BOUND)
     assert isinstance(out[1], KeyboardInterrupt)
@@ -143,7 +146,7 @@ def test_rank_leaving_inside_a_collective_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.spec("COMM-60", "COMM-61")
-def test_missing_rank_is_named_on_timeout(tmp_path: Path) -> None:
+def test_missing_rank_is_named_on_timeout(tmp_path: Path, impl: ModuleType) -> None:
     release = threading.Event()
 
     def rank_main(comm: FakeComm) -> Any:
@@ -151,7 +154,7 @@ def test_missing_rank_is_named_on_timeout(tmp_path: Path) -> None:
             release.wait(RUN_BOUND)  # late: never joins in time
             return None
         try:
-            return refdcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), comm=comm)
+            return impl.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path), comm=comm)
         finally:
             release.set()
 
@@ -224,6 +227,7 @@ def _gloo_interrupts(rank: int, world_size: int, path: str) -> dict[str, Any]:
 @pytest.mark.dist
 @pytest.mark.spec("ERR-10", "COMM-60", "COMM-61", "COMM-62")
 def test_gloo_peer_learns_of_interrupt_at_once(tmp_path: Path) -> None:
+    # single path: spawned gloo ranks test the communicator (COMM-60..62), the same for both
     out = run_gloo(2, _gloo_interrupts, str(tmp_path / "c"), timeout=60.0)
     assert out[1]["save"] == "KeyboardInterrupt"
     assert out[0]["save"] == {1: "KeyboardInterrupt"}

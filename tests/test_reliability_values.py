@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 
-import refdcp
 from refdcp.storage import MemoryStorage
 from refdcp.storage.format.tensor_values import bytes_are_values, values_tensor
 from refdcp.storage.verify import verify_checkpoint
@@ -45,12 +45,14 @@ def _check(sd: dict[str, torch.Tensor], got: dict[str, Any]) -> None:
 
 
 @pytest.mark.spec("SAVE-10", "INTEG-3")
-def test_views_round_trip_through_the_filesystem_and_verify(tmp_path: Path) -> None:
+def test_views_round_trip_through_the_filesystem_and_verify(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     sd = _cases()
     assert any(t.is_conj() for t in sd.values()) and any(t.is_neg() for t in sd.values())
-    refdcp.save(dict(sd), checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save(dict(sd), checkpoint_id=str(tmp_path), no_dist=True)
     got = _dest(sd)
-    refdcp.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
+    impl.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
     _check(sd, got)
     assert verify_checkpoint(tmp_path).ok
     # torch's own loader reads the same values
@@ -62,35 +64,37 @@ def test_views_round_trip_through_the_filesystem_and_verify(tmp_path: Path) -> N
 
 
 @pytest.mark.spec("SAVE-10")
-def test_views_round_trip_through_memory_storage() -> None:
+def test_views_round_trip_through_memory_storage(impl: ModuleType) -> None:
     sd = _cases()
     store = MemoryStorage()
-    refdcp.save(dict(sd), storage_writer=store.writer("c"), no_dist=True)
+    impl.save(dict(sd), storage_writer=store.writer("c"), no_dist=True)
     reader = store.reader("c")
     reader.set_verify(True)
     got = _dest(sd)
-    refdcp.load(got, storage_reader=reader, no_dist=True)
+    impl.load(got, storage_reader=reader, no_dist=True)
     _check(sd, got)
 
 
 @pytest.mark.spec("SAVE-10")
-def test_views_round_trip_through_async_save(tmp_path: Path) -> None:
+def test_views_round_trip_through_async_save(tmp_path: Path, impl: ModuleType) -> None:
     # staging deep-copies tensor subclasses, which torch refuses for subclasses without new_empty
     sd = {k: v for k, v in _cases().items() if not k.startswith("subclass")}
-    handle = refdcp.async_save(dict(sd), checkpoint_id=str(tmp_path), no_dist=True)
+    handle = impl.async_save(dict(sd), checkpoint_id=str(tmp_path), no_dist=True)
     handle.result(timeout=60)
     got = _dest(sd)
-    refdcp.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
+    impl.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
     _check(sd, got)
 
 
 @pytest.mark.spec("SAVE-11")
-def test_load_into_a_conjugate_or_negative_view_sets_its_values(tmp_path: Path) -> None:
+def test_load_into_a_conjugate_or_negative_view_sets_its_values(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     """A raw read into a destination whose memory is not its values would flip them."""
     src = {"c": torch.randn(4, dtype=torch.complex64), "n": torch.randn(4)}
-    refdcp.save(dict(src), checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save(dict(src), checkpoint_id=str(tmp_path), no_dist=True)
     dest = {"c": torch.zeros(4, dtype=torch.complex64).conj(), "n": torch.zeros(4)._neg_view()}
-    refdcp.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.load(dest, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(dest["c"].resolve_conj(), src["c"])
     assert torch.equal(dest["n"].resolve_neg(), src["n"])
 
@@ -108,24 +112,24 @@ def test_values_tensor_resolves_every_kind() -> None:
 @pytest.mark.spec("SAVE-10")
 @given(sd=tensor_dicts())
 def test_round_trip_property_over_views(
-    tmp_path_factory: pytest.TempPathFactory, sd: dict[str, torch.Tensor]
+    tmp_path_factory: pytest.TempPathFactory, sd: dict[str, torch.Tensor], impl: ModuleType
 ) -> None:
     """Random views of random dtypes round-trip exactly through save/load(verify=True)."""
     path = tmp_path_factory.mktemp("views")
-    refdcp.save(dict(sd), checkpoint_id=str(path), no_dist=True)
+    impl.save(dict(sd), checkpoint_id=str(path), no_dist=True)
     got = _dest(sd)
-    refdcp.load(got, checkpoint_id=str(path), no_dist=True, verify=True)
+    impl.load(got, checkpoint_id=str(path), no_dist=True, verify=True)
     _check(sd, got)
 
 
 @pytest.mark.spec("SAVE-10")
-def test_wrapper_subclass_is_saved_as_its_values(tmp_path: Path) -> None:
+def test_wrapper_subclass_is_saved_as_its_values(tmp_path: Path, impl: ModuleType) -> None:
     """A wrapper subclass (no storage of its own) is stored as the values its copy_ defines."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     a = torch.randn(3, 2)
     wrapped = TwoTensor(a.clone(), a.clone())
-    refdcp.save({"t": wrapped}, checkpoint_id=str(tmp_path), no_dist=True)
+    impl.save({"t": wrapped}, checkpoint_id=str(tmp_path), no_dist=True)
     got: dict[str, Any] = {"t": torch.zeros(3, 2)}
-    refdcp.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
+    impl.load(got, checkpoint_id=str(tmp_path), no_dist=True, verify=True)
     assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], a)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import warnings
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 @pytest.mark.spec("DEDUP-13", "DEDUP-22")
 def test_a_single_rank_save_digests_nothing(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # single path: which replicas the fast planner digests is its own speed choice
     seen = count_digested(monkeypatch)
     refdcp.save({"w": torch.ones(1000), "b": torch.zeros(3)}, checkpoint_id=tmp_path, no_dist=True)
     assert seen == []
@@ -31,6 +33,7 @@ def test_a_single_rank_save_digests_nothing(tmp_path: Any, monkeypatch: pytest.M
 def test_a_rank_digests_only_replicas_it_does_not_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: which replicas the fast planner digests is its own speed choice
     seen = count_digested(monkeypatch)
 
     def rank(comm: Any) -> None:
@@ -47,6 +50,7 @@ def test_a_rank_digests_only_replicas_it_does_not_write(
 def test_plan_digests_cover_what_others_may_hold(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: which replicas the fast planner digests is its own speed choice
     seen = count_digested(monkeypatch)
 
     def rank(comm: Any) -> None:
@@ -59,11 +63,11 @@ def test_plan_digests_cover_what_others_may_hold(
 
 
 @pytest.mark.spec("DEDUP-13", "DEDUP-6")
-def test_coordinator_alone_disagreeing_is_reported(tmp_path: Any) -> None:
+def test_coordinator_alone_disagreeing_is_reported(tmp_path: Any, impl: ModuleType) -> None:
     def rank(comm: Any) -> str:
         sd = {"w": torch.full((3,), 1.0 if comm.rank else 5.0), "step": 4}
         with pytest.raises(CheckpointError) as err:
-            refdcp.save(sd, checkpoint_id=tmp_path, comm=comm)
+            impl.save(sd, checkpoint_id=tmp_path, comm=comm)
         return str(err.value)
 
     msgs = FakeWorld(3).run(rank)
@@ -96,6 +100,7 @@ def _dtensor_digests(rank: int, world: int, path: str, early: bool) -> list[str]
 
 @pytest.mark.spec("DEDUP-13", "DEDUP-22")
 def test_dtensor_shards_held_by_one_rank_are_not_digested() -> None:
+    # single path: which replicas the fast planner digests is its own speed choice
     with tempfile.TemporaryDirectory() as d:
         early = run_gloo(2, _dtensor_digests, f"{d}/a", True, timeout=150)
         late = run_gloo(2, _dtensor_digests, f"{d}/b", False, timeout=150)

@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 import warnings
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -46,15 +47,17 @@ def _disagreeing(comm: Any) -> dict[str, Any]:
 
 
 @pytest.mark.spec("DEDUP-17", "SAVE-7", "DEDUP-21")
-def test_disagreeing_replicas_fail_every_rank_before_the_commit(tmp_path: Any) -> None:
+def test_disagreeing_replicas_fail_every_rank_before_the_commit(
+    tmp_path: Any, impl: ModuleType
+) -> None:
     def rank(comm: Any) -> tuple[str, list[str], bool | None]:
         with pytest.raises(CheckpointError) as err:
-            refdcp.save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
+            impl.save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
         causes = [type(f.exception).__name__ for f in err.value.rank_failures.values()]
         return str(err.value), causes, err.value.committed
 
     for msg, causes, committed in FakeWorld(3).run(rank):
-        assert "replicas differ in value" in msg and "'w'" in msg
+        assert "differ in value" in msg and "'w'" in msg
         assert "ranks [0, 1] hold checksum" in msg and "ranks [2] hold checksum" in msg
         assert "'b'" not in msg  # equal replicas are not named
         assert causes == ["ReplicaMismatchError"] and committed is False
@@ -64,6 +67,7 @@ def test_disagreeing_replicas_fail_every_rank_before_the_commit(tmp_path: Any) -
 
 @pytest.mark.spec("DEDUP-17")
 def test_refdcp_driver_keeps_tensor_digests_out_of_the_local_plans(tmp_path: Any) -> None:
+    # single path: the fast path's deferred digest worker
     def rank(comm: Any) -> Any:
         planner = PlanRecorder()
         refdcp.save(
@@ -122,6 +126,7 @@ def _writer(path: Any, before: Any = None, fail: bool = False) -> Any:
 def test_digests_run_on_a_worker_while_the_rank_writes(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     started = threading.Semaphore(0)
     threads: list[str] = []
     real = replica_late.replica_tensors
@@ -150,6 +155,7 @@ def test_digests_run_on_a_worker_while_the_rank_writes(
 def test_a_failing_digest_worker_fails_the_save(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     def broken(*args: Any, **kw: Any) -> Any:
         raise OSError("the digest kernel failed")
 
@@ -191,6 +197,7 @@ def _slow_units(monkeypatch: pytest.MonkeyPatch, log: list[tuple[str, float, int
 def test_an_error_in_a_unit_of_digest_work_fails_the_save(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
+    # single path: the fast path's deferred digest worker
     real = replica_late.digest_units
 
     def failing(tensors: Any, seeds: Any) -> Any:
@@ -219,6 +226,7 @@ def test_an_error_in_a_unit_of_digest_work_fails_the_save(
 def test_a_failed_write_waits_for_the_digest_worker(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     log: list[tuple[str, float, int]] = []
     _slow_units(monkeypatch, log)
 
@@ -240,6 +248,7 @@ def test_a_failed_write_waits_for_the_digest_worker(
 def test_a_write_failing_before_the_worker_is_ready_still_stops_it(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     log: list[tuple[str, float, int]] = []
     _slow_units(monkeypatch, log)
     real = replica_late.replica_tensors
@@ -267,6 +276,7 @@ def test_a_write_failing_before_the_worker_is_ready_still_stops_it(
 def test_the_worker_runs_at_the_lowest_priority_and_its_owner_does_not(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     log: list[tuple[str, float, int]] = []
     _slow_units(monkeypatch, log)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -284,15 +294,15 @@ def test_the_worker_runs_at_the_lowest_priority_and_its_owner_does_not(
 
 
 @pytest.mark.spec("DEDUP-17", "DEDUP-21")
-def test_async_save_reports_disagreeing_replicas(tmp_path: Any) -> None:
+def test_async_save_reports_disagreeing_replicas(tmp_path: Any, impl: ModuleType) -> None:
     def rank(comm: Any) -> str:
-        handle = refdcp.async_save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
+        handle = impl.async_save(_disagreeing(comm), checkpoint_id=tmp_path, comm=comm)
         with pytest.raises(CheckpointError) as err:
             handle.result()
         return str(err.value)
 
     for msg in FakeWorld(3).run(rank):
-        assert "replicas differ in value" in msg and "'w'" in msg
+        assert "differ in value" in msg and "'w'" in msg
     assert not (tmp_path / ".metadata").exists()
 
 
@@ -300,6 +310,7 @@ def test_async_save_reports_disagreeing_replicas(tmp_path: Any) -> None:
 def test_opting_out_digests_nothing_after_the_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     calls: list[int] = []
     monkeypatch.setattr(replica_late, "replica_tensors", lambda *a, **k: calls.append(1) or {})
 
@@ -387,6 +398,7 @@ def test_writers_record_the_value_digest_the_planner_computes(
 def test_the_writers_own_value_is_compared_too(
     tmp_path: Any, writer_kind: str, odd_rank: int
 ) -> None:
+    # single path: the fast path's deferred digest worker
     import torch.distributed.checkpoint as dcp
 
     def rank(comm: Any) -> str:
@@ -413,6 +425,7 @@ def test_the_writers_own_value_is_compared_too(
 def test_a_writer_recording_no_digest_gets_them_computed_after_its_write(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # single path: the fast path's deferred digest worker
     import torch.distributed.checkpoint as dcp
 
     seen = count_digested(monkeypatch)
@@ -446,6 +459,7 @@ class _Doubling(DefaultSavePlanner):
 
 @pytest.mark.spec("DEDUP-17", "DEDUP-19")
 def test_a_planner_writing_other_data_digests_its_values_itself(tmp_path: Any) -> None:
+    # single path: the fast path's deferred digest worker
     def rank(comm: Any) -> None:
         sd = {"a": torch.ones(300_000), "b": torch.ones(300_000)}  # 1.2 MB: recorded by writers
         refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, planner=_Doubling())
@@ -465,6 +479,7 @@ def _named_keys(message: str) -> set[str]:
 @pytest.mark.spec("DEDUP-17", "DEDUP-13", "DEDUP-21")
 @given(data=st.data())
 def test_late_and_early_checks_name_the_same_keys(data: st.DataObject) -> None:
+    # single path: the fast path's deferred digest worker
     world = data.draw(st.integers(2, 4), label="world")
     keys = data.draw(st.integers(1, 5), label="keys")
     layout = []
@@ -520,6 +535,7 @@ class _Capturing(DefaultSavePlanner):
 
 @pytest.mark.spec("DEDUP-17", "DEDUP-20")
 def test_ranks_with_equal_plans_and_values_send_one_group(tmp_path: Any) -> None:
+    # single path: the fast path's deferred digest worker
     def rank(comm: Any) -> Any:
         planner = _Capturing()
         sd = {"a": torch.ones(50), "b": torch.full((70,), float(comm.rank == 3)), "step": 1}
@@ -576,6 +592,7 @@ class _CachingCapture(_Capturing):
 
 @pytest.mark.spec("DEDUP-17", "PLAN-12", "DEDUP-20")
 def test_a_cached_plan_is_named_by_its_own_digest_after_a_failed_save() -> None:
+    # single path: the fast path's deferred digest worker
     # a group names the digested keys; after a save whose plan failed, a rank reusing its
     # cached plan must name it by that plan's digest, not by the failed plan's
     storage = refdcp.MemoryStorage()

@@ -38,6 +38,10 @@ from refdcp.storage.metadata.limits import get_metadata_limits
 from refdcp.storage.metadata.safe import load_metadata, safe_loads
 from refdcp.storage.metadata.shape import check_metadata
 
+SINGLE_PATH = (
+    "the fast FileSystemReader's batched reads of adjacent small items and its metadata pass"
+)
+
 
 def _state(n: int = 24, elems: int = 64) -> dict[str, torch.Tensor]:
     return {f"m.p{i}": torch.arange(elems, dtype=torch.float32) + 1000 * i for i in range(n)}

@@ -6,6 +6,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -284,7 +285,9 @@ def _storage(kind: str, path: Path) -> dict[str, Any]:
     }
 
 
-def _save_load_resume(name: str, tmp_path: Path, kind: str) -> None:
+def _save_load_resume(name: str, tmp_path: Path, kind: str, api: Any = dcp) -> None:
+    """Train, save an AppState through ``api`` (torch's dcp, refdcp or its reference), load it
+    into a fresh model and optimizer, train on: the same losses as training straight through."""
     data = batches(6)
     (ref, ro), (m, o) = pair(name)
     expected = train(ref, ro, data)
@@ -292,11 +295,11 @@ def _save_load_resume(name: str, tmp_path: Path, kind: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         where = _storage(kind, tmp_path)
-        dcp.save({"app": AppState(m, o)}, no_dist=True, **where["save"])
+        api.save({"app": AppState(m, o)}, no_dist=True, **where["save"])
         (fresh, fo), _ = pair(name)
         target = AppState(fresh, fo)
         assert set(target.state_dict()) == {"model", "optim"}
-        dcp.load({"app": target}, no_dist=True, **where["load"])
+        api.load({"app": target}, no_dist=True, **where["load"])
     assert first + train(fresh, fo, data[3:]) == expected
 
 
@@ -305,6 +308,15 @@ def _save_load_resume(name: str, tmp_path: Path, kind: str) -> None:
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_app_state_round_trip_resumes_training(name: str, kind: str, tmp_path: Path) -> None:
     _save_load_resume(name, tmp_path, kind)
+
+
+@pytest.mark.spec("SD-10", "SD-7", "REF-6")
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_app_state_round_trip_through_either_implementation_resumes_training(
+    name: str, tmp_path: Path, impl: ModuleType
+) -> None:
+    """The Stateful AppState through ``refdcp`` and ``refdcp.reference`` (API-2)."""
+    _save_load_resume(name, tmp_path, "torch", api=impl)
 
 
 @pytest.mark.spec("SD-10")

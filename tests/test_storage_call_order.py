@@ -13,6 +13,7 @@ import inspect
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -188,7 +189,7 @@ def _drive_orders(world: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Log
 
 
 def _refdcp_orders(
-    world: int, fail: bool = False, directory: Path | None = None
+    impl: ModuleType, world: int, fail: bool = False, directory: Path | None = None
 ) -> tuple[list[Log], list[Log]]:
     spies = _Spies(world, directory)
     ckpt = CKPT if directory is None else str(directory)
@@ -203,11 +204,11 @@ def _refdcp_orders(
                     raise RuntimeError("injected")
 
         try:
-            return refdcp.save(
+            return impl.save(
                 _state(r),
                 checkpoint_id=ckpt,
                 storage_writer=spies.writer(r),
-                planner=spies.planner(refdcp.DefaultSavePlanner, r),
+                planner=spies.planner(impl.DefaultSavePlanner, r),
                 comm=comm,
                 fault=fault,
             )
@@ -224,11 +225,11 @@ def _refdcp_orders(
 
     def load(comm: Any) -> None:
         r = comm.rank
-        refdcp.load(
+        impl.load(
             _state(r),
             checkpoint_id=CKPT,
             storage_reader=spies.reader(r),
-            planner=spies.planner(refdcp.DefaultLoadPlanner, r),
+            planner=spies.planner(impl.DefaultLoadPlanner, r),
             comm=comm,
         )
 
@@ -262,9 +263,9 @@ def test_the_conformance_driver_follows_torchs_order(
 
 @pytest.mark.spec("PROTO-14", "PROTO-15", "PROTO-16")
 @pytest.mark.parametrize("world", [1, 3])
-def test_refdcp_calls_storage_in_torchs_order_plus_set_verify(world: int) -> None:
+def test_refdcp_calls_storage_in_torchs_order_plus_set_verify(world: int, impl: ModuleType) -> None:
     torch_save, torch_load = _torch_orders()
-    saves, loads = _refdcp_orders(world)
+    saves, loads = _refdcp_orders(impl, world)
     for r in range(world):
         want_save = torch_save if r == 0 else _without(torch_save, COORDINATOR_ONLY)
         want_load = torch_load if r == 0 else _without(torch_load, COORDINATOR_ONLY)
@@ -278,9 +279,10 @@ def test_refdcp_calls_storage_in_torchs_order_plus_set_verify(world: int) -> Non
 @pytest.mark.spec("PROTO-16")
 def test_abort_save_comes_after_the_protocol_on_every_rank_of_a_failed_save(
     tmp_path: Path,
+    impl: ModuleType,
 ) -> None:
     torch_save, _ = _torch_orders()
-    saves, _ = _refdcp_orders(3, fail=True, directory=tmp_path)
+    saves, _ = _refdcp_orders(impl, 3, fail=True, directory=tmp_path)
     assert not (tmp_path / ".metadata").exists()
     for r, log in enumerate(saves):
         assert log[-1] == "abort_save" and log.count("abort_save") == 1, (r, log)

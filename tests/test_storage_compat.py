@@ -13,6 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from refdcp.storage import FileSystemReader, FileSystemWriter
 
+SINGLE_PATH = "refdcp's fast FileSystemWriter/Reader driven by torch's dcp.save/load (the storage classes, not the driver)"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 DTYPES = [

@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+SINGLE_PATH = "SIGKILL of the fast FileSystemWriter's threaded writes at every step"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 _CALLS = ("open", "writev", "fsync", "replace", "unlink")

@@ -22,6 +22,8 @@ from refdcp.storage import CheckpointExistsError, FileSystemReader, FileSystemWr
 from refdcp.storage.fs import filesystem as fs_mod
 from refdcp.storage.fs.filesystem import split_into_buckets
 
+SINGLE_PATH = "the fast FileSystemWriter/Reader's batching, writeback hints and threads"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -452,7 +454,9 @@ def test_reused_writer_gets_fresh_names(tmp_path: Path) -> None:
 
 @pytest.mark.spec("STORE-14")
 @pytest.mark.parametrize("thread_count", [1, 2])
-def test_temporary_contiguous_copies_survive_batched_writes(tmp_path: Path, thread_count: int) -> None:
+def test_temporary_contiguous_copies_survive_batched_writes(
+    tmp_path: Path, thread_count: int
+) -> None:
     """Non-contiguous sources are written from temporary copies; many small ones are
     batched into one writev. Every temporary must live until its bytes are written
     (a flush triggered by an item's header once freed its payload early)."""
@@ -481,7 +485,9 @@ def test_resharded_reads_fetch_only_the_rows_they_need(
     from refdcp.storage.fs import filesystem
 
     full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
-    refdcp.save({"w": full}, storage_writer=FileSystemWriter(tmp_path, sync_files=False), no_dist=True)
+    refdcp.save(
+        {"w": full}, storage_writer=FileSystemWriter(tmp_path, sync_files=False), no_dist=True
+    )
     read: list[int] = []
     real = filesystem._pread_into
 

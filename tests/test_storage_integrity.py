@@ -31,6 +31,8 @@ from refdcp.storage.format.items import CRC_ATTR, DATA_OFFSET_ATTR
 from refdcp.storage.metadata.safe import dump_metadata, load_metadata
 from refdcp.tools.verify import verify_command
 
+SINGLE_PATH = "the fast FileSystemReader's checksum checks under torch's driver"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 

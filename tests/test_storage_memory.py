@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from refdcp.storage import CheckpointExistsError, CorruptionError, MemoryStorage
 
+SINGLE_PATH = "refdcp.MemoryStorage under torch's driver"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
-import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.errors import CheckpointError
 from refdcp.storage import CorruptionError, FileSystemReader, FileSystemWriter, MemoryStorage
@@ -27,9 +27,9 @@ def _union(world: int) -> dict[str, Any]:
 
 @pytest.mark.spec("STORE-14", "STORE-7")
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_refdcp_save_torch_reader(tmp_path: Path, world: int) -> None:
+def test_refdcp_save_torch_reader(tmp_path: Path, world: int, impl: ModuleType) -> None:
     def rank(comm: Any) -> None:
-        refdcp.save(
+        impl.save(
             local_state(comm.rank, world),
             storage_writer=FileSystemWriter(tmp_path, thread_count=2),
             comm=comm,
@@ -44,16 +44,16 @@ def test_refdcp_save_torch_reader(tmp_path: Path, world: int) -> None:
 
 @pytest.mark.spec("STORE-14", "FMT-5")
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_torch_writer_refdcp_reader(tmp_path: Path, world: int) -> None:
+def test_torch_writer_refdcp_reader(tmp_path: Path, world: int, impl: ModuleType) -> None:
     def save(comm: Any) -> None:
-        refdcp.save(
+        impl.save(
             local_state(comm.rank, world), storage_writer=dcp.FileSystemWriter(tmp_path), comm=comm
         )
 
     def load(comm: Any) -> list[str]:
         sd = _union(world)  # refdcp's load policy refuses unexpected keys: load everything
         out = blank(sd)
-        refdcp.load(out, storage_reader=FileSystemReader(tmp_path), comm=comm)
+        impl.load(out, storage_reader=FileSystemReader(tmp_path), comm=comm)
         return compare(sd, out)
 
     FakeWorld(world).run(save, timeout=120)
@@ -62,19 +62,19 @@ def test_torch_writer_refdcp_reader(tmp_path: Path, world: int) -> None:
 
 @pytest.mark.spec("STORE-20", "STORE-21", "INTEG-4")
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_memory_storage_in_fake_world(world: int) -> None:
+def test_memory_storage_in_fake_world(world: int, impl: ModuleType) -> None:
     storage = MemoryStorage()
 
     def save(comm: Any, seed: int) -> None:
         sd = local_state(comm.rank, world)
         sd["seed"] = seed
-        refdcp.save(sd, storage_writer=storage.writer("ck"), comm=comm)
+        impl.save(sd, storage_writer=storage.writer("ck"), comm=comm)
 
     def load(comm: Any) -> tuple[list[str], Any]:
         sd = _union(world)
         out = blank(sd)
         out["seed"] = None
-        refdcp.load(out, storage_reader=storage.reader("ck"), comm=comm, verify=True)
+        impl.load(out, storage_reader=storage.reader("ck"), comm=comm, verify=True)
         return compare(sd, out), out["seed"]
 
     FakeWorld(world).run(save, 1, timeout=120)
@@ -84,11 +84,13 @@ def test_memory_storage_in_fake_world(world: int) -> None:
 
 
 @pytest.mark.spec("INTEG-4", "INTEG-3")
-def test_refdcp_load_verify_reports_corruption_on_every_rank(tmp_path: Path) -> None:
+def test_refdcp_load_verify_reports_corruption_on_every_rank(
+    tmp_path: Path, impl: ModuleType
+) -> None:
     world = 2
 
     def save(comm: Any) -> None:
-        refdcp.save(
+        impl.save(
             local_state(comm.rank, world), storage_writer=FileSystemWriter(tmp_path), comm=comm
         )
 
@@ -100,7 +102,7 @@ def test_refdcp_load_verify_reports_corruption_on_every_rank(tmp_path: Path) -> 
 
     def load(comm: Any, verify: bool) -> None:
         sd = _union(world)
-        refdcp.load(blank(sd), storage_reader=FileSystemReader(tmp_path), comm=comm, verify=verify)
+        impl.load(blank(sd), storage_reader=FileSystemReader(tmp_path), comm=comm, verify=verify)
 
     results = FakeWorld(world).run(load, True, return_exceptions=True, timeout=120)
     for res in results:

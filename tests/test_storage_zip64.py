@@ -31,6 +31,8 @@ from refdcp.storage.format.zipframe import ZIP64_LIMIT, frame_for, parse_data_sp
 from refdcp.storage.fs.inplace import FileSlice, locate_tensor_data
 from tests.test_storage_compat import DTYPES, blank, compare, local_state, make_tensor
 
+SINGLE_PATH = "the fast path's zip64 framing and in-place reads"
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 warnings.filterwarnings("ignore", message=".*quantize.*deprecated")
 warnings.filterwarnings("ignore", message="Sparse invariant checks")

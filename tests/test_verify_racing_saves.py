@@ -88,6 +88,8 @@ def test_damage_is_still_reported_when_nothing_replaced_the_checkpoint(tmp_path:
 
 _SAVER = """
 import sys, warnings, torch, refdcp
+
+SINGLE_PATH = "refdcp.verify_checkpoint racing saves that replace and reclaim a checkpoint; the reference never reclaims (REF-8)"
 warnings.simplefilter("ignore")
 path, seed = sys.argv[1], 1
 while True:

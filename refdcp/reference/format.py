@@ -22,7 +22,12 @@ from typing import Any
 import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from refdcp.storage import (
     CorruptionError,
@@ -197,10 +202,24 @@ class _Unpickler(pickle.Unpickler):
 def _check_records(metadata: Metadata, file: str) -> None:
     """Every storage record names a plain file name and a non-negative range (FMT-9, STORE-26),
     every stored chunk and object has a record, and no two records share a byte (FMT-29)."""
-    records = metadata.storage_data or {}
-    for fqn, md in metadata.state_dict_metadata.items():
+    sdm: Any = getattr(metadata, "state_dict_metadata", None)
+    records: Any = getattr(metadata, "storage_data", None) or {}
+    for field, value in (("state_dict_metadata", sdm), ("storage_data", records)):
+        if not isinstance(value, dict):  # FMT-9: a field of the wrong type is named, not run into
+            raise MalformedMetadataError(f"is a {type(value).__name__}", field=field, file=file)
+    for fqn, md in sdm.items():
+        if not isinstance(md, (TensorStorageMetadata, BytesStorageMetadata)):
+            raise MalformedMetadataError(
+                f"is a {type(md).__name__}", field=f"state_dict_metadata[{fqn!r}]", file=file
+            )
         chunks = md.chunks if isinstance(md, TensorStorageMetadata) else [None]
         for chunk in chunks:
+            if chunk is not None and not all(
+                isinstance(v, torch.Size) for v in (chunk.offsets, chunk.sizes)
+            ):
+                raise MalformedMetadataError(
+                    "chunk offsets and sizes must be torch.Size", field=f"{fqn!r}", file=file
+                )
             if chunk is not None and 0 in chunk.sizes:
                 continue  # an empty chunk is never read
             if MetadataIndex(fqn, None if chunk is None else chunk.offsets) not in records:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -107,7 +109,7 @@ class ReferenceWriter(StorageWriter):
         try:
             with open(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as out:
                 for item in items:
-                    blob, data_offset = encode_item(planner.resolve_data(item))
+                    blob, data_offset = encode_item(_resolved(item, planner))
                     if item.type != WriteItemType.BYTE_IO:
                         out.write(b"\0" * (-out.tell() % ALIGN))
                     info = storage_info(name, out.tell(), blob, data_offset)
@@ -134,7 +136,7 @@ class ReferenceWriter(StorageWriter):
                 out.flush()
                 os.fsync(out.fileno())
         os.replace(tmp, self.path / METADATA)
-        self.written.remove(tmp)
+        self.written = []  # committed: the files are the checkpoint's now, never removed (STORE-33)
         if self.sync_files:
             _fsync_dir(self.path)
 
@@ -143,6 +145,18 @@ class ReferenceWriter(StorageWriter):
         for file in self.written:
             file.unlink(missing_ok=True)
         self.written = []
+
+
+def _resolved(item: WriteItem, planner: SavePlanner) -> Any:
+    """The planner's value for ``item``, of the kind the item says, else an error naming its key
+    (STORE-12): a BYTE_IO item's ``io.BytesIO``, a tensor item's tensor."""
+    data = planner.resolve_data(item)
+    fqn = item.index.fqn
+    if item.type == WriteItemType.BYTE_IO and not isinstance(data, io.BytesIO):
+        raise TypeError(f"{fqn}: BYTE_IO data must be io.BytesIO, not {type(data).__name__}")
+    if item.type != WriteItemType.BYTE_IO and not isinstance(data, torch.Tensor):
+        raise TypeError(f"{fqn}: tensor item resolved to {type(data).__name__}, not a tensor")
+    return data
 
 
 def _fsync_dir(path: Path) -> None:
