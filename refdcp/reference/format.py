@@ -107,10 +107,17 @@ def encode_item(data: torch.Tensor | io.BytesIO) -> tuple[bytes, int | None]:
 def plain_values(t: torch.Tensor) -> torch.Tensor:
     """A plain CPU tensor of ``t``'s values: conjugate and negative bits resolved, subclasses
     dropped (SAVE-10), and a dense tensor copied to hold only its own elements (FMT-4)."""
-    t = t.detach().cpu()
+    t = t.detach()
     if t.layout != torch.strided or t.is_quantized:
-        return t
-    t = t.resolve_conj().resolve_neg().as_subclass(torch.Tensor)
+        return t.cpu()
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        # a subclass's values are what its own copy_ writes into a plain tensor (SAVE-10);
+        # a wrapper subclass has no storage of its own to view
+        plain = torch.empty(tuple(t.shape), dtype=t.dtype)
+        with torch.no_grad():
+            plain.copy_(t)
+        t = plain.as_subclass(torch.Tensor)
+    t = t.cpu().resolve_conj().resolve_neg().as_subclass(torch.Tensor)
     return t.clone(memory_format=torch.contiguous_format)
 
 

@@ -38,7 +38,11 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.tensor import DTensor
 
-from refdcp.planning.errors import PlanValidationError, UnloadableValueError
+from refdcp.planning.errors import (
+    PlanValidationError,
+    ReplicaMismatchError,
+    UnloadableValueError,
+)
 
 from .dedup import item_key, reference_dedup
 from .flatten import RESERVED_KEY, flatten, structure
@@ -115,7 +119,10 @@ class ReferenceSavePlanner(SavePlanner):
         if RESERVED_KEY in md:
             problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
         if problems or meta_problems:
-            raise PlanValidationError(problems + meta_problems)
+            every = problems + meta_problems
+            replicas = all(" differ in value between ranks" in p for p in every)
+            # only values that differ: the error refdcp raises after its writes (DEDUP-17)
+            raise (ReplicaMismatchError if replicas else PlanValidationError)(every)
         metadata = Metadata(state_dict_metadata=md, planner_data=_merged(all_plans))
         plans = [SavePlan(items, storage_data=p.storage_data) for p, items in zip(all_plans, kept)]
         return plans, metadata
