@@ -106,7 +106,8 @@ def drive(
                 fault(index, action)
             except BaseException as exc:
                 interrupt = interrupt if isinstance(exc, Exception) else exc
-                event = Event(On.ERR, failure=Failure.capture(comm.rank, _where(action), exc))
+                failure = Failure.capture(comm.rank, action.phase, exc)  # named as ERR-4 says
+                event = Event(On.ERR, failure=failure)
         start = time.perf_counter()
         if event is None:
             if action.kind in (Kind.RETURN, Kind.RAISE) and interrupt is not None:
@@ -130,11 +131,6 @@ def drive(
             )
         state, action = table.transition(state, event)
         index += 1
-
-
-def _where(action: Action) -> str:
-    """The step a failure at ``action`` is reported under (ERR-4)."""
-    return str(action.step or action.phase)
 
 
 def _local(steps: Steps, action: Action) -> tuple[Event, BaseException | None]:
@@ -399,14 +395,12 @@ class Snapshot:
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.containers: list[tuple[Any, Any]] = []
         self.destinations = destinations
-        seen: set[int] = set()
-        self.keep(state_dict, seen)
-        self.keep(destinations, seen)
+        self.keep(state_dict)
+        self.keep(destinations)
 
-    def keep(self, value: Any, seen: set[int]) -> None:
-        if id(value) in seen:
-            return
-        seen.add(id(value))
+    def keep(self, value: Any) -> None:
+        """Copy what a load may change in ``value``: its tensors' bytes, its containers'
+        contents (a tensor or container reached twice is copied twice, and restored alike)."""
         if isinstance(value, dict):
             self.containers.append((value, dict(value)))
             inner = list(value.values())
@@ -419,7 +413,7 @@ class Snapshot:
             self.tensors += [(t, t.detach().clone()) for t in _written_memory(value)]
             inner = []
         for v in inner:
-            self.keep(v, seen)
+            self.keep(v)
 
     def restore(self, state_dict: dict[Any, Any], applied: list[Any]) -> list[str]:
         """Put every tensor and container back, then give each applied ``Stateful`` its
