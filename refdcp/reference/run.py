@@ -77,9 +77,9 @@ class Steps:
         self.state_dict = state_dict
         self.slots: dict[Slot, Any] = {}
 
-    def body(self, step: Step) -> Callable[[], None]:
-        """The method that does ``step`` (PROTO-10)."""
-        raise NotImplementedError
+    def run(self, step: Step) -> None:
+        """Do ``step``: the method of the step's name, ``set_up`` for ``Step.SET_UP`` (PROTO-10)."""
+        getattr(self, step.value)()
 
 
 def drive(
@@ -124,11 +124,8 @@ def drive(
                 event = _collective(table, state, action, steps, comm)
         if observer is not None:
             seconds = time.perf_counter() - start
-            observer(
-                StepRecord(
-                    state.rank, index, action.phase, action.kind, action.name, event.on, seconds
-                )
-            )
+            phase, name = str(action.phase), action.name
+            observer(StepRecord(state.rank, index, phase, action.kind, name, event.on, seconds))
         state, action = table.transition(state, event)
         index += 1
 
@@ -137,7 +134,7 @@ def _local(steps: Steps, action: Action) -> tuple[Event, BaseException | None]:
     """Run a local step: ``ok``, or ``err`` with the failure (and an interrupt to re-raise)."""
     assert action.step is not None
     try:
-        steps.body(action.step)()
+        steps.run(action.step)
     except Exception as exc:
         return Event(On.ERR, failure=Failure.capture(steps.rank, action.step, exc)), None
     except BaseException as exc:  # KeyboardInterrupt, SystemExit: peers hear of it (ERR-10)
@@ -208,16 +205,6 @@ class SaveSteps(Steps):
     ) -> None:
         super().__init__(rank, world_size, coordinator, state_dict)
         self.writer, self.planner, self.checkpoint_id = writer, planner, checkpoint_id
-
-    def body(self, step: Step) -> Callable[[], None]:
-        return {
-            Step.SET_UP: self.set_up,
-            Step.LOCAL_PLAN: self.local_plan,
-            Step.GLOBAL_PLAN: self.global_plan,
-            Step.FINISH_PLAN: self.finish_plan,
-            Step.WRITE: self.write,
-            Step.COMMIT: self.commit,
-        }[step]
 
     def set_up(self) -> None:
         """``Stateful`` values become their state dicts; the planner and the writer learn
@@ -298,16 +285,6 @@ class LoadSteps(Steps):
         self.verify, self.atomic = verify, atomic
         self.snapshot: Snapshot | None = None
         self.applied: list[Any] = []  # top-level keys whose load_state_dict ran (LOAD-21)
-
-    def body(self, step: Step) -> Callable[[], None]:
-        return {
-            Step.SET_UP: self.set_up,
-            Step.LOCAL_PLAN: self.local_plan,
-            Step.GLOBAL_PLAN: self.global_plan,
-            Step.FINISH_PLAN: self.finish_plan,
-            Step.READ: self.read,
-            Step.APPLY: self.apply,
-        }[step]
 
     def set_up(self) -> None:
         """Destinations (``Stateful`` values' state dicts), the metadata, then the planner and
