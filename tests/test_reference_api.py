@@ -278,7 +278,40 @@ def test_a_finish_that_raises_after_committing_reports_the_same_status(
 
         got[name] = [_outcome(r) for r in FakeWorld(world).run(one, return_exceptions=True)]
     assert got["reference"] == got["fast"]
+    # committed or maybe committed: the reference keeps the files and the checkpoint loads (REF-8).
+    # (refdcp.save calls the writer's abort_save whatever the status, which removes them here.)
+    dest = _state(0, 1, True)
+    refdcp.reference.load(dest, checkpoint_id=tmp_path / "reference", no_dist=True)
+    assert dest["opt"] == {"step": 5, "lr": [0.1]}
     assert {o[2] for o in got["reference"]} == {status}
+
+
+class _Interrupts:
+    """A ``Stateful`` whose ``state_dict`` is interrupted (Ctrl-C during set_up)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise KeyboardInterrupt("interrupted in state_dict")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise AssertionError("never applied")
+
+
+@pytest.mark.spec("REF-1", "ERR-10")
+@pytest.mark.parametrize("world,target", [(1, 0), (3, 0), (3, 2)])
+def test_an_interrupted_step_reaches_the_peers_then_the_caller(world: int, target: int) -> None:
+    got = {}
+    for name, impl in IMPLS.items():
+        with tempfile.TemporaryDirectory() as path:
+
+            def one(c: Any, impl: ModuleType = impl, path: str = path) -> Any:
+                sd = _state(c.rank, world)
+                if c.rank == target:
+                    sd["x"] = _Interrupts()
+                return impl.save(sd, checkpoint_id=path, comm=c)
+
+            got[name] = [_outcome(r) for r in FakeWorld(world).run(one, return_exceptions=True)]
+    assert got["reference"] == got["fast"]
+    assert got["reference"][target][0] == "KeyboardInterrupt"
 
 
 class _Counter:
@@ -489,3 +522,146 @@ def test_the_framing_differs_only_in_the_zip_crc_of_the_data(tmp_path: Path) -> 
     assert members["fast"]["data/0"] == (0, None)
     for member in ("data.pkl", "byteorder", "version"):
         assert members["fast"][member] == members["reference"][member]
+
+
+class _Opaque:
+    """A class no allow-list names: it loads only through ``safe_globals``."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque) and other.n == self.n
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.spec("REF-1", "LOAD-8", "API-1")
+def test_safe_globals_extend_the_reference_planners_allow_list(
+    impl: ModuleType, tmp_path: Path
+) -> None:
+    saver = impl.DefaultSavePlanner(safe_globals=[_Opaque])
+    impl.save({"o": _Opaque(3)}, checkpoint_id=tmp_path, no_dist=True, planner=saver)
+    with pytest.raises(CheckpointError):  # not allowed: refused
+        impl.load({"o": None}, checkpoint_id=tmp_path, no_dist=True)
+    planner = impl.DefaultLoadPlanner()
+    dest: dict[str, Any] = {"o": None}
+    impl.load(dest, checkpoint_id=tmp_path, no_dist=True, safe_globals=[_Opaque], planner=planner)
+    assert dest["o"] == _Opaque(3) and _Opaque in planner.safe_globals
+    import torch.distributed.checkpoint as tdcp
+
+    with pytest.raises(ValueError, match="safe_globals"):  # torch's planner unpickles itself
+        impl.load(
+            dest,
+            checkpoint_id=tmp_path,
+            no_dist=True,
+            safe_globals=[_Opaque],
+            planner=tdcp.DefaultLoadPlanner(),
+        )
+
+
+class _OldPlanner(refdcp.reference.DefaultSavePlanner):
+    """A planner written before torch added ``storage_meta``."""
+
+    def set_up_planner(self, state_dict: Any, is_coordinator: bool = False) -> None:  # type: ignore[override]
+        super().set_up_planner(state_dict, None, is_coordinator)
+        self.seen = ("old", is_coordinator)
+
+
+class _PlainWriter(refdcp.reference.FileSystemWriter):
+    """A writer whose ``set_up_storage_writer`` takes no ``**kwargs``: torch 2.13 passes it
+    the coordinator flag alone."""
+
+    def set_up_storage_writer(self, is_coordinator: bool) -> None:  # type: ignore[override]
+        super().set_up_storage_writer(is_coordinator, rank=-1)
+        self.seen = ("plain", is_coordinator)
+
+
+class _KwargsReader(refdcp.reference.FileSystemReader):
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator)
+        self.seen = (is_coordinator, kwargs)
+
+
+@pytest.mark.spec("REF-1", "API-3", "SAVE-1", "LOAD-1")
+def test_planners_and_storage_are_called_as_torch_calls_them(tmp_path: Path) -> None:
+    got = {}
+    for name, impl in IMPLS.items():
+
+        def one(c: Any, impl: ModuleType = impl, name: str = name) -> Any:
+            planner, writer = _OldPlanner(), _PlainWriter(tmp_path / name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                impl.save({"w": torch.ones(2)}, storage_writer=writer, planner=planner, comm=c)
+            reader = _KwargsReader(tmp_path / name)
+            dest = {"w": torch.zeros(2)}
+            impl.load(dest, storage_reader=reader, comm=c)
+            return planner.seen, writer.seen, reader.seen, dest["w"].tolist()
+
+        got[name] = FakeWorld(2).run(one)
+    assert got["reference"] == got["fast"]
+    assert got["reference"][1] == (
+        ("old", False),
+        ("plain", False),
+        (False, {"rank": 1, "use_collectives": True}),
+        [1.0, 1.0],
+    )
+
+
+class _OnePlanTooMany(refdcp.reference.DefaultLoadPlanner):
+    def create_global_plan(self, global_plan: list[Any]) -> list[Any]:
+        return [*global_plan, global_plan[0]]
+
+
+@pytest.mark.spec("REF-1", "PROTO-6", "API-23", "API-6")
+def test_refusals_at_set_up_and_planning_end_alike(tmp_path: Path) -> None:
+    """A global plan step returning the wrong number of plans (PROTO-6), a key missing from
+    the checkpoint (named with the checkpoint, API-23), ``verify=True`` with a reader that
+    cannot check (API-6): the same outcome on both paths."""
+    import torch.distributed.checkpoint as tdcp
+
+    refdcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path, no_dist=True)
+    cases: dict[str, Any] = {
+        "PROTO-6": lambda: ({}, {"planner": _OnePlanTooMany()}),
+        str(tmp_path): lambda: ({"missing": torch.zeros(1)}, {}),
+        "verify=True": lambda: (
+            {},
+            {"verify": True, "storage_reader": tdcp.FileSystemReader(str(tmp_path))},
+        ),
+    }
+    for expected, case in cases.items():
+        got = {}
+        for name, impl in IMPLS.items():
+            extra, kwargs = case()
+            with pytest.raises(CheckpointError) as info:
+                impl.load(
+                    {"w": torch.zeros(2), **extra},
+                    checkpoint_id=tmp_path,
+                    comm=SingleRank(),
+                    **kwargs,
+                )
+            got[name] = (_outcome(info.value), str(info.value.rank_failures[0].exception))
+        assert got["reference"] == got["fast"]
+        assert expected in got["reference"][1]
+
+
+class _RefusesTwice(_Counter):
+    """Takes the loaded state, then refuses the old one when an atomic load restores it."""
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.count:
+            raise RuntimeError("refuses its old state")
+        super().load_state_dict(sd)
+
+
+@pytest.mark.spec("REF-1", "LOAD-21")
+def test_a_stateful_refusing_its_old_state_is_named_on_the_error(impl: ModuleType) -> None:
+    with tempfile.TemporaryDirectory() as path:
+        sd = {"a": _Counter(), "b": _Counter()}
+        sd["a"].count = 3
+        impl.save(sd, checkpoint_id=path, comm=SingleRank())
+        dest = {"a": _RefusesTwice(), "b": _Counter(fail=True)}
+        with pytest.raises(CheckpointError) as info:
+            impl.load(dest, checkpoint_id=path, comm=SingleRank(), atomic=True)
+        assert any("restoring 'a' failed" in note for note in info.value.__notes__)
+        assert torch.equal(dest["a"].t, torch.full((4,), -7.0))  # its tensor restored anyway
