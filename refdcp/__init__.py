@@ -6,6 +6,7 @@ and stagers, each an implementation of torch's ABC of the same role.
 See ``spec/`` for the requirements every name here is held to.
 """
 
+from refdcp import torch_names as _torch_names
 from refdcp.api import load, save
 from refdcp.asyncsave.checkpointer import Checkpointer
 from refdcp.asyncsave.default_stager import release_staging_buffers
@@ -30,6 +31,18 @@ from refdcp.storage import (
 )
 
 __version__ = "0.1.0"
+
+_torch_names.install()  # refdcp.state_dict_saver, refdcp.metadata, ... (API-27)
+
+
+def __getattr__(name: str) -> object:
+    """torch's top-level DCP names and submodules that refdcp does not define itself (API-27)."""
+    if name in _torch_names.SUBMODULES or name in _torch_names.WHOLE:
+        import importlib
+
+        return importlib.import_module(f"refdcp.{name}")
+    return _torch_names.resolve("", name, _torch_names.TOP_LEVEL)
+
 
 __all__ = [
     "AppState",

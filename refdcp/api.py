@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -25,7 +26,7 @@ from refdcp.driver.steps import LoadContext, SaveContext
 from refdcp.protocol.load import LOAD
 from refdcp.protocol.save import SAVE
 
-__all__ = ["load", "resolve_comm", "save"]
+__all__ = ["CheckpointException", "load", "resolve_comm", "save"]  # torch's api name too (API-27)
 
 
 def resolve_comm(

@@ -72,6 +72,7 @@ from refdcp.errors_core import (
     CommTimeout,
     Failure,
     FailureReport,
+    PeerLost,
     ProblemsError,
     ProtocolError,
     RefdcpError,
@@ -171,10 +172,6 @@ class RankFailures(RefdcpError):
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             parts.append(f"--- rank {rank}: {type(exc).__name__}: {exc}\n{text.rstrip()}")
         super().__init__("\n".join(parts))
-
-
-class PeerLost(CommError):
-    """Stands for a rank that did not join a collective: it left, died, or is late (COMM-61)."""
 
 
 class InjectedFault(RuntimeError):

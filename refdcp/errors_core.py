@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveMismatch",
     "Failure",
     "FailureReport",
+    "PeerLost",
     "ProblemsError",
     "ProtocolError",
     "RefdcpError",
@@ -81,6 +82,10 @@ class CommTimeout(CommError, TimeoutError):
 
 class CommAborted(CommError):
     """A peer left the world (raised, crashed) while this rank waited in a collective (COMM-6)."""
+
+
+class PeerLost(CommError):
+    """Stands for a rank that did not join a collective: it left, died, or is late (COMM-61)."""
 
 
 class CollectiveMismatch(CommError):

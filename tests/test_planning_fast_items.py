@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from refdcp.planning.flatten import _plain_rich, encode_structure, flatten_state_dict
 from refdcp.planning.local_plan import (
     _FAST_RECORDS,
+    PlanShare,
     _signature,
     plain_tensor_item,
     plan_digest,
@@ -65,13 +66,17 @@ def test_plain_tensor_item_equals_torchs_records(value: torch.Tensor) -> None:
     assert _signature(fast) == _signature(slow)
 
 
-@pytest.mark.spec("META-8")
+@pytest.mark.spec("META-8", "API-26")
 def test_equal_values_share_offsets_and_properties() -> None:
-    a = plain_tensor_item("a", torch.zeros(2, 3))
-    b = plain_tensor_item("b", torch.ones(5, 1))
+    share = PlanShare()
+    a = plain_tensor_item("a", torch.zeros(2, 3), share)
+    b = plain_tensor_item("b", torch.ones(5, 1), share)
     assert a.tensor_data is not None and b.tensor_data is not None
     assert a.index.offset is b.index.offset is a.tensor_data.chunk.offsets
     assert a.tensor_data.properties is b.tensor_data.properties
+    # one plan's records are its own: another plan gets new ones (API-26)
+    c = plain_tensor_item("c", torch.zeros(2, 3), PlanShare())
+    assert c.tensor_data is not None and c.tensor_data.properties is not a.tensor_data.properties
 
 
 @pytest.mark.spec("PLAN-1")

@@ -21,8 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import refdcp
 from refdcp.comm import FakeWorld
 from refdcp.comm.fake import FakeComm
-from refdcp.driver.peers import PeerLost
-from refdcp.errors import CheckpointError, CommAborted, CommTimeout
+from refdcp.errors import CheckpointError, CommAborted, CommTimeout, PeerLost
 from refdcp.testing.spawn import run_gloo
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

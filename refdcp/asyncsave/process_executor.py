@@ -59,6 +59,9 @@ def _child_main(conn: Any, dist_info: _DistInfo | None) -> None:
 
     comm: Communicator | None = None
     if dist_info is not None:
+        # torchrun's trainers find their store through its agent; this worker's group has
+        # its own rendezvous address and must create its store, not wait for one (ASYNC-32)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         dist.init_process_group(
             "gloo",
             init_method=dist_info.init_method,

@@ -4,8 +4,8 @@ The caller is blocked only while the state dict is staged (copied) by the
 stager; the collective save of the snapshot then runs on a background thread
 (``executor="thread"``) or a background process (``executor="process"``); the
 executor is a strategy chosen once (:mod:`refdcp.asyncsave.executors`). The returned :class:`AsyncSaveHandle` has two
-futures: ``staged`` (the source may be mutated now) and ``committed`` (the
-checkpoint is durable; the result is its ``Metadata``).
+futures: ``staged`` (the source may be mutated now) and ``committed``, the
+handle itself, a ``concurrent.futures.Future`` of the checkpoint's ``Metadata``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from refdcp.asyncsave.default_stager import default_stager
@@ -39,32 +40,35 @@ __all__ = [
 ]
 
 
-class AsyncSaveHandle:
-    """The two stages of one asynchronous save (ASYNC-1).
+class AsyncSaveHandle(Future[Metadata], AsyncSaveResponse):
+    """One asynchronous save: a ``concurrent.futures.Future`` of its ``Metadata`` (ASYNC-1).
 
-    ``staged`` resolves (to None) once the snapshot is complete: the source
-    may be mutated from then on. ``committed`` resolves to the ``Metadata``
-    once the checkpoint is durable, or to the save's exception. ``result()``
-    waits for ``committed``, so code written for torch's future keeps working.
+    The handle is the future torch's ``async_save`` returns: it resolves to the
+    ``Metadata`` once the checkpoint is durable, or to the save's exception, so
+    ``result()``, ``concurrent.futures.wait`` and ``as_completed`` work on it.
+    It is also torch's ``AsyncSaveResponse``: ``staging_completion`` resolves
+    (to None) once the snapshot is complete and the source may be mutated, and
+    ``upload_completion`` is the handle itself. refdcp's own names for the two
+    are ``staged`` and ``committed``.
     """
 
+    # a future is compared and hashed by identity (the dataclass base would compare fields)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
     def __init__(self) -> None:
+        Future.__init__(self)
         self.staged: Future[None] = Future()
-        self.committed: Future[Metadata] = Future()
+        self.staging_completion = self.staged
+        self.upload_completion = cast("Future[None]", self)
 
-    def result(self, timeout: float | None = None) -> Metadata:
-        """Wait for the commit and return the Metadata (or raise the save's error)."""
-        return self.committed.result(timeout)
+    @property
+    def committed(self) -> Future[Metadata]:
+        """The handle itself: resolves once the checkpoint is durable (ASYNC-1)."""
+        return self
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self.committed.exception(timeout)
-
-    def done(self) -> bool:
-        """True once the save has committed or failed."""
-        return self.committed.done()
-
-    def add_done_callback(self, fn: Callable[[Future[Metadata]], object]) -> None:
-        self.committed.add_done_callback(fn)
+    def __repr__(self) -> str:
+        return f"<AsyncSaveHandle staged={self.staged.done()} {Future.__repr__(self)}>"
 
 
 class InFlightLimiter:

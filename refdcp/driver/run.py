@@ -1,13 +1,12 @@
 """Run one rank's protocol machine over a Communicator (PROTO-2).
 
-The driver is the only place where the machine's actions meet the world:
-local steps call planners and storage; collectives go through the
-Communicator. Exceptions from local steps become failures that travel through
-the next collective (PROTO-4). A collective that itself fails (timeout, a
-peer left) ends this rank at once with a CheckpointError (COMM-5). A fault
-hook that raises is one more ``err`` event for the machine, whatever the
-action (PROTO-7); what follows, including after the last action, is the
-table's business (``done --err--> failed``), not the driver's.
+The driver only executes; every decision lives in the protocol package
+(Rule 1): the table says what to do next (``protocol/machine.py``), and
+``protocol/outcomes.py`` says what a rank sends at a collective, which event
+what it received is, and what a rank reports when a collective itself fails
+(COMM-5) or ``finish`` raised (SAVE-16). Exceptions from local steps become
+``err`` events (PROTO-4); a fault hook that raises is one more ``err`` event,
+whatever the action (PROTO-7).
 """
 
 from __future__ import annotations
@@ -18,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from refdcp.comm.base import Communicator
-from refdcp.driver.commit_status import with_declared_status
-from refdcp.driver.peers import comm_failure_error
-from refdcp.errors import CheckpointError, CommError, Failure, FailureReport
+from refdcp.errors import CheckpointError, CommError, Failure
 from refdcp.protocol.machine import Action, Event, Kind, On, State, Table
 from refdcp.protocol.names import Slot, Step
+from refdcp.protocol.outcomes import NOTHING, comm_failure, delivered, needs_payload, outgoing
 
 __all__ = [
     "FaultHook",
@@ -33,6 +31,7 @@ __all__ = [
     "fault_event",
     "local_event",
     "record",
+    "send_value",
     "step_name",
     "terminal",
 ]
@@ -88,19 +87,12 @@ def local_event(ctx: _Ctx, action: Action) -> Event:
     return Event(On.OK)
 
 
-def fan_in_payload(ctx: _Ctx, action: Action) -> Any:
-    if action.failure is not None:
-        return action.failure
-    assert action.send is not None
-    return ctx.payload(action.send)
-
-
-def fan_out_payload(ctx: _Ctx, action: Action, world_size: int) -> Any:
-    if action.error is not None:
-        error = with_declared_status(action.error)  # the status a failed finish declared (SAVE-16)
-        return [error] * world_size if action.kind is Kind.SCATTER else error
-    assert action.send is not None
-    return ctx.payload(action.send)
+def send_value(ctx: _Ctx, action: Action, world_size: int) -> Any:
+    """What this rank sends at collective ``action`` (protocol/outcomes.py decides, PROTO-4)."""
+    payload = (
+        ctx.payload(action.send) if needs_payload(action) and action.send is not None else None
+    )
+    return outgoing(action, world_size, payload)
 
 
 def terminal(ctx: _Ctx, action: Action) -> Any:
@@ -114,23 +106,12 @@ def terminal(ctx: _Ctx, action: Action) -> Any:
 def apply_collective_result(
     ctx: _Ctx, state: State, action: Action, received: Any, receives: bool
 ) -> Event:
-    """Turn what a collective delivered into the machine's event (PROTO-4)."""
-    if action.kind in (Kind.GATHER, Kind.ALL_GATHER):
-        if not receives:
-            return Event(On.SENT)
-        failures = {r: v for r, v in enumerate(received) if isinstance(v, Failure)}
-        if failures:
-            first = failures[min(failures)]
-            report = FailureReport(first.step, failures, committed=state.committed)
-            return Event(On.GOT_ERR, error=report)
+    """Store what a collective delivered, as protocol/outcomes.py says; return its event (PROTO-4)."""
+    event, value = delivered(state, action, received, receives)
+    if value is not NOTHING:
         assert action.recv is not None
-        ctx.store(action.recv, received)
-        return Event(On.GOT_OK)
-    if isinstance(received, FailureReport):
-        return Event(On.GOT_ERR, error=received)
-    assert action.recv is not None
-    ctx.store(action.recv, received)
-    return Event(On.GOT_OK)
+        ctx.store(action.recv, value)
+    return event
 
 
 def drive(
@@ -187,15 +168,14 @@ def _collective(ctx: _Ctx, state: State, action: Action, comm: Communicator, tab
     coordinator = comm.rank == comm.coordinator_rank
     try:
         if action.kind is Kind.GATHER:
-            received: Any = comm.gather(fan_in_payload(ctx, action))
+            received: Any = comm.gather(send_value(ctx, action, comm.world_size))
             return apply_collective_result(ctx, state, action, received, coordinator)
         if action.kind is Kind.ALL_GATHER:
-            received = comm.all_gather(fan_in_payload(ctx, action))
+            received = comm.all_gather(send_value(ctx, action, comm.world_size))
             return apply_collective_result(ctx, state, action, received, True)
-        send = fan_out_payload(ctx, action, comm.world_size) if coordinator else None
+        send = send_value(ctx, action, comm.world_size) if coordinator else None
         received = comm.scatter(send) if action.kind is Kind.SCATTER else comm.broadcast(send)
         return apply_collective_result(ctx, state, action, received, True)
     except CommError as exc:
-        raise comm_failure_error(
-            table, state, action, comm.rank, comm.coordinator_rank, exc
-        ) from exc
+        report = comm_failure(table, state, action, comm.rank, comm.coordinator_rank, exc)
+        raise CheckpointError.from_report(report) from exc

@@ -19,21 +19,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from refdcp.driver.peers import comm_failure_error
 from refdcp.driver.run import (
     Observer,
     StepRecord,
     _Ctx,
     apply_collective_result,
-    fan_in_payload,
-    fan_out_payload,
     fault_event,
     local_event,
     record,
+    send_value,
     terminal,
 )
-from refdcp.errors import CommAborted, Deadlock, InjectedFault
+from refdcp.errors import CheckpointError, CommAborted, Deadlock, InjectedFault
 from refdcp.protocol.machine import COLLECTIVES, TERMINAL, Action, Event, Kind, State, Table
+from refdcp.protocol.outcomes import comm_failure
 
 __all__ = ["Deadlock", "Fault", "InjectedFault", "SimResult", "simulate"]
 
@@ -134,8 +133,8 @@ def simulate(
             for rk in waiting:
                 exc = CommAborted(f"rank(s) {dead} died before joining {str(rk.action.phase)!r}")
                 exc.ranks = tuple(dead)
-                rk.result = comm_failure_error(
-                    table, rk.state, rk.action, rk.state.rank, coordinator_rank, exc
+                rk.result = CheckpointError.from_report(
+                    comm_failure(table, rk.state, rk.action, rk.state.rank, coordinator_rank, exc)
                 )
                 rk.done = True
                 rk.log.append(rk.action)
@@ -157,14 +156,14 @@ def simulate(
 def _resolve(ranks: list[_Rank], world: int, coord: int, feed: Any) -> None:
     kind = ranks[0].action.kind
     if kind in (Kind.GATHER, Kind.ALL_GATHER):
-        sent = pickle.dumps([fan_in_payload(rk.ctx, rk.action) for rk in ranks])
+        sent = pickle.dumps([send_value(rk.ctx, rk.action, world) for rk in ranks])
         for rk in ranks:
             receives = kind is Kind.ALL_GATHER or rk.state.rank == coord
             got = pickle.loads(sent) if receives else None
             feed(rk, apply_collective_result(rk.ctx, rk.state, rk.action, got, receives))
         return
     root = ranks[coord]
-    out = pickle.dumps(fan_out_payload(root.ctx, root.action, world))
+    out = pickle.dumps(send_value(root.ctx, root.action, world))
     for rk in ranks:
         value = pickle.loads(out)
         value = value[rk.state.rank] if kind is Kind.SCATTER else value

@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.planner import LoadPlanner, SavePlan, SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from refdcp.driver.commit_status import mark_finish_error
 from refdcp.driver.rollback import Snapshot
 from refdcp.errors import ProtocolError
 from refdcp.planning import LoadPolicyError
 from refdcp.protocol.names import Slot, Step
+from refdcp.protocol.outcomes import finish_failed
 from refdcp.storage.shared import shared_storage
 
 __all__ = [
@@ -229,7 +229,7 @@ class SaveContext(_Base):
         try:
             self.writer.finish(metadata=metadata, results=results)
         except BaseException as exc:
-            mark_finish_error(exc)  # it may have committed before raising (SAVE-16)
+            finish_failed(exc)  # it may have committed before raising (SAVE-16)
             raise
 
     HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {

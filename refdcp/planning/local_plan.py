@@ -10,6 +10,7 @@ import math
 import pickle
 import zlib
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import attrgetter
 from typing import Any
@@ -45,6 +46,7 @@ __all__ = [
     "item_key",
     "may_be_replicated",
     "object_write_items",
+    "PlanShare",
     "plain_tensor_item",
     "plan_and_block_digests",
     "plan_digest",
@@ -119,7 +121,6 @@ _new = object.__new__
 _set = object.__setattr__
 _TENSOR = WriteItemType.TENSOR
 _ZERO_OFFSETS: dict[int, torch.Size] = {}
-_PROPERTIES: dict[tuple[Any, ...], TensorProperties] = {}
 
 
 #: the fast path builds torch's records by setting their fields (frozen dataclasses refuse
@@ -139,46 +140,51 @@ def _zero_offset(dim: int) -> torch.Size:
     return off
 
 
-def _properties(t: torch.Tensor) -> TensorProperties:
-    """``TensorProperties.create_from_tensor(t)``, one shared object per distinct value (META-8)."""
+def _properties(t: torch.Tensor, memo: dict[tuple[Any, ...], TensorProperties]) -> TensorProperties:
+    """``TensorProperties.create_from_tensor(t)``, one shared object per distinct value in one
+    plan (META-8). The memo lives as long as one plan: nothing of one save reaches the next
+    (a user may change the records a save returned, API-26)."""
     key = (t.dtype, t.layout, t.requires_grad, t.is_pinned())
-    props = _PROPERTIES.get(key)
+    props = memo.get(key)
     if props is None:
-        props = TensorProperties.create_from_tensor(t)
-        if len(_PROPERTIES) > 1024:
-            _PROPERTIES.clear()
-        _PROPERTIES[key] = props
+        props = memo[key] = TensorProperties.create_from_tensor(t)
     return props
 
 
-def plain_tensor_item(
-    fqn: str, t: torch.Tensor, shared: dict[tuple[int, torch.Size], TensorWriteData] | None = None
-) -> WriteItem:
+@dataclass
+class PlanShare:
+    """Objects the items of one plan share (META-8): properties, and whole-tensor write data."""
+
+    properties: dict[tuple[Any, ...], TensorProperties] = field(default_factory=dict)
+    data: dict[tuple[int, torch.Size], TensorWriteData] = field(default_factory=dict)
+
+
+def plain_tensor_item(fqn: str, t: torch.Tensor, shared: PlanShare | None = None) -> WriteItem:
     """The TENSOR item of a plain tensor (PLAN-1): equal to the one torch's constructors build.
 
     Equal values share objects (the zero offsets, the properties; META-8), so
-    the pickled ``.metadata`` stores them once. With ``shared`` (one dict for the
+    the pickled ``.metadata`` stores them once. With ``shared`` (one for the
     items of one plan), items of equal dtype, properties and shape also share
     one ``TensorWriteData`` and so one whole-tensor chunk (META-8).
     """
     size = t.size()
     off = _zero_offset(len(size))
-    props = _properties(t)
+    props = _properties(t, shared.properties if shared is not None else {})
     if not _FAST_RECORDS:
         chunk = ChunkStorageMetadata(offsets=off, sizes=size)
         index = MetadataIndex(fqn, off)
         _set(index, "offset", off)  # torch's constructor copies it; keep the shared one
         data = TensorWriteData(chunk=chunk, properties=props, size=size)
         return WriteItem(index=index, type=_TENSOR, tensor_data=data)
-    key = (id(props), size)  # props: one object per value, kept alive by _PROPERTIES
-    found = None if shared is None else shared.get(key)
+    key = (id(props), size)  # props: one object per value, kept alive by the plan's share
+    found = None if shared is None else shared.data.get(key)
     if found is None:
         chunk = _new(ChunkStorageMetadata)
         _set(chunk, "__dict__", {"offsets": off, "sizes": size})
         found = _new(TensorWriteData)
         _set(found, "__dict__", {"chunk": chunk, "properties": props, "size": size})
         if shared is not None:
-            shared[key] = found
+            shared.data[key] = found
     index = _new(MetadataIndex)
     _set(index, "__dict__", {"fqn": fqn, "index": None, "offset": off})  # torch's field order
     item = _new(WriteItem)
@@ -217,7 +223,7 @@ def save_items(flat: Mapping[str, Any]) -> list[WriteItem]:
     """All write items of a flattened state dict, in key order (PLAN-1)."""
     items: list[WriteItem] = []
     append, extend = items.append, items.extend
-    shared: dict[tuple[int, torch.Size], TensorWriteData] = {}  # one per value (META-8)
+    shared = PlanShare()  # one object per value (META-8)
     for fqn, obj in flat.items():
         if type(obj) in _PLAIN_TENSORS:
             append(plain_tensor_item(fqn, obj, shared))

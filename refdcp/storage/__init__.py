@@ -1,4 +1,10 @@
-"""refdcp storage: filesystem (torch layout + atomic commit + checksums) and in-memory."""
+"""refdcp storage: filesystem (torch layout + atomic commit + checksums) and in-memory.
+
+Also carries torch's ``storage`` names (``StorageWriter``, ``StorageReader``,
+``WriteResult``: the ABCs and the record refdcp uses as they are, API-27).
+"""
+
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from refdcp.storage.errors import (
     CheckpointExistsError,
@@ -35,9 +41,12 @@ __all__ = [
     "MetadataLimits",
     "MetadataUnreadableError",
     "MissingChecksumError",
+    "StorageReader",
+    "StorageWriter",
     "UnsafeMetadataError",
     "UnsafeObjectError",
     "UnsafePathError",
+    "WriteResult",
     "VerifyReport",
     "set_metadata_limits",
     "verify_checkpoint",

@@ -163,7 +163,7 @@ class MemoryWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite and self.storage.exists(self.checkpoint_id):
             raise CheckpointExistsError(
-                f"checkpoint {self.checkpoint_id!r} already exists and overwrite=False"
+                f"Checkpoint already exists and overwrite=False: {self.checkpoint_id!r}"
             )
         self._generation = self.storage._generation(self.checkpoint_id)
         return plan

@@ -487,7 +487,7 @@ class FileSystemWriter(_AtPath, StorageWriter):
         existing = layout.rank_metadata_name(self._metadata_rank())
         if _exists(at(self.path, existing, dfd), dfd) and not self.overwrite:
             raise CheckpointExistsError(
-                f"a committed checkpoint already exists at {self.path} and overwrite=False"
+                f"Checkpoint already exists and overwrite=False: a committed checkpoint is at {self.path}"
             )
         if self.is_coordinator or not self.use_collectives:
             self._take_lock()  # STORE-29: before any rank writes a data file

@@ -80,6 +80,20 @@ _ALLOWED: dict[str, frozenset[str]] = {
     "builtins": frozenset({"set", "frozenset", "complex"}),
 }
 
+#: Names older torch wrote into ``.metadata``, read as today's class of the same meaning
+#: (API-28): the ShardedTensor-era ``TensorProperties`` and its memory-format enum have
+#: the same fields, state tuple and enum values as the ones that replaced them.
+_LEGACY: dict[tuple[str, str], tuple[str, str]] = {
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): (
+        _DCP_META,
+        "TensorProperties",
+    ),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): (
+        _DCP_META,
+        "_MEM_FORMAT_ENCODING",
+    ),
+}
+
 
 class _Budget:
     """Units an unpickle may spend on constructors that copy memoized data (FMT-11).
@@ -166,6 +180,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return self._classes[key]
 
     def _admit(self, module: str, name: str) -> Any:
+        module, name = _LEGACY.get((module, name), (module, name))
         if module == "torch":
             if name == "Size":
                 return self._size
