@@ -28,7 +28,7 @@ import refdcp
 import refdcp.reference
 from refdcp.comm import FakeWorld, SingleRank
 from refdcp.errors import CheckpointError, InjectedFault, PeerLost
-from refdcp.storage.fs.commit_mark import mark
+from refdcp.protocol.outcomes import mark
 from tests.test_dropin_signatures import signature_problems
 
 IMPLS: dict[str, ModuleType] = {"fast": refdcp, "reference": refdcp.reference}

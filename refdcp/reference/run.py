@@ -37,8 +37,7 @@ from refdcp.errors import CheckpointError, CommError, Failure, ProtocolError
 from refdcp.planning.errors import LoadPolicyError
 from refdcp.protocol.machine import FAN_IN, Action, Event, Kind, On, State, Table
 from refdcp.protocol.names import Slot, Step
-
-from ._outcomes_tmp import (  # TODO: refdcp.protocol.outcomes
+from refdcp.protocol.outcomes import (
     NOTHING,
     comm_failure,
     delivered,
@@ -46,6 +45,7 @@ from ._outcomes_tmp import (  # TODO: refdcp.protocol.outcomes
     needs_payload,
     outgoing,
 )
+
 from .load_planner import ReferenceLoadPlanner
 
 __all__ = ["FaultHook", "LoadSteps", "Observer", "SaveSteps", "Snapshot", "StepRecord", "drive"]
