@@ -23,6 +23,7 @@ from refdcp.errors import (
 from refdcp.reference.api import load, save
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.reference.load_planner import ReferenceLoadPlanner
+from refdcp.reference.local_shards import LocalShards
 from refdcp.reference.metadata import reference_metadata_problems
 from refdcp.reference.save_planner import ReferenceSavePlanner
 from refdcp.reference.storage import ReferenceReader, ReferenceWriter
@@ -47,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "RefdcpError",
     "Decision",
+    "LocalShards",
     "ReferenceLoadPlanner",
     "ReferenceReader",
     "ReferenceSavePlanner",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import math
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,19 +28,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 
-from refdcp.planning import LoadPolicy, LoadPolicyError
-from refdcp.planning.flatten import flatten_state_dict, set_by_rich_path
-from refdcp.planning.load_policy import check_load
+from refdcp.planning.errors import LoadPolicyError
 from refdcp.storage import MalformedMetadataError
-from refdcp.storage.metadata.safe_globals import (
-    UnsafeObjectError,
-    load_weights_only,
-    refused_global,
-    unpickler_detail,
-)
 
+from .flatten import flatten, set_by_rich_path
 from .format import METADATA
 from .metadata import chunk_problems
+from .policy import check_load, unpickle_value
 from .save_planner import chunk_of
 
 __all__ = ["ReferenceLoadPlanner", "read_once_readers", "reads_for_chunk", "wanted_chunks"]
@@ -58,7 +51,7 @@ class ReferenceLoadPlanner(LoadPlanner):
         allow_cast: bool = False,
         safe_globals: Sequence[Any] = (),
     ) -> None:
-        self.policy = LoadPolicy(strict, reject_unexpected, allow_cast)
+        self.strict, self.reject_unexpected, self.allow_cast = strict, reject_unexpected, allow_cast
         self.safe_globals = list(safe_globals)
         #: set by refdcp's load driver: nested objects wait for the apply step (LOAD-19)
         self.defer_nested_values = False
@@ -73,13 +66,19 @@ class ReferenceLoadPlanner(LoadPlanner):
         if metadata is None:
             raise ValueError("ReferenceLoadPlanner needs the checkpoint's metadata")
         self.state_dict = state_dict
-        self.flat = flatten_state_dict(state_dict)
+        self.flat = flatten(state_dict)
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
         """Every problem at once, before any read (POLICY-1); then the reads (RESHARD-1, -5)."""
         saved = self.metadata.state_dict_metadata
-        keys, problems = check_load(self.flat.items, saved, self.policy)
+        keys, problems = check_load(
+            self.flat.items,
+            saved,
+            strict=self.strict,
+            reject_unexpected=self.reject_unexpected,
+            allow_cast=self.allow_cast,
+        )
         if problems:
             raise LoadPolicyError(problems)
         reads: list[ReadItem] = []
@@ -109,12 +108,7 @@ class ReferenceLoadPlanner(LoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickle weights-only with the allow-list, into its original nesting (PLAN-7, LOAD-9)."""
         fqn = read_item.dest_index.fqn
-        try:
-            obj = load_weights_only(value, self.safe_globals)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeObjectError(
-                fqn, refused_global(str(exc)), unpickler_detail(str(exc))
-            ) from exc
+        obj = unpickle_value(fqn, value, self.safe_globals)
         path = self.flat.rich[fqn]
         if len(path) > 1 and self.defer_nested_values:
             self.nested.append((path, obj))  # placed once every rank has read (LOAD-19)

@@ -38,14 +38,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.tensor import DTensor
 
-from refdcp.planning import PlanValidationError
-from refdcp.planning.errors import UnloadableValueError
-from refdcp.planning.flatten import RESERVED_KEY, encode_structure, flatten_state_dict
-from refdcp.storage.metadata.safe_globals import load_weights_only
+from refdcp.planning.errors import PlanValidationError, UnloadableValueError
 
 from .dedup import item_key, reference_dedup
+from .flatten import RESERVED_KEY, flatten, structure
 from .format import plain_values
 from .metadata import build_metadata
+from .policy import unpickle_value
 
 __all__ = ["ReferenceSavePlanner", "chunk_of", "unloadable", "value_checksum", "write_items"]
 
@@ -75,7 +74,7 @@ class ReferenceSavePlanner(SavePlanner):
         is_coordinator: bool = False,
     ) -> None:
         """Flatten the state dict (FLAT-1..5); keep what the plan records (FLAT-6)."""
-        self.flat = flatten_state_dict(state_dict)
+        self.flat = flatten(state_dict)
         self.values = self.flat.items
         self.is_coordinator = is_coordinator
 
@@ -86,7 +85,7 @@ class ReferenceSavePlanner(SavePlanner):
             raise UnloadableValueError(problems)
         items = [i for fqn, value in self.values.items() for i in write_items(fqn, value)]
         planned = {i.index.fqn for i in items}
-        record: dict[str, Any] = encode_structure(self.flat)
+        record: dict[str, Any] = structure(self.flat)
         record["without_chunks"] = {  # sharded tensors this rank holds no chunk of (PLAN-1, META-1)
             fqn: (TensorProperties(dtype=v.dtype), torch.Size(v.size()))
             for fqn, v in self.values.items()
@@ -190,7 +189,7 @@ def _why_unloadable(value: Any, safe_globals: Sequence[Any]) -> str | None:
         return f"cannot be pickled ({type(exc).__name__}: {exc}); convert it to plain data"
     buf.seek(0)
     try:
-        load_weights_only(buf, list(safe_globals))
+        unpickle_value("", buf, safe_globals)
     except Exception as exc:
         return (
             f"a default load (weights_only=True) cannot read it back ({type(exc).__name__}); "

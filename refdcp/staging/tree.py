@@ -65,9 +65,11 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def _local_shards(obj: object) -> bool:
+    """refdcp's LocalShards or the reference's (REF-12): both stage chunk by chunk."""
     from refdcp.planning.local_shards import LocalShards
+    from refdcp.reference.local_shards import LocalShards as ReferenceLocalShards
 
-    return isinstance(obj, LocalShards)
+    return isinstance(obj, (LocalShards, ReferenceLocalShards))
 
 
 def _dtensor(obj: object) -> bool:
@@ -173,10 +175,8 @@ class _SnapshotWalk:
         if _is_container(obj):
             return _rebuild(obj, [self.walk(v) for _, v in _children(obj)])
         if _local_shards(obj):
-            from refdcp.planning.local_shards import LocalShards
-
             chunks = [(off, self.walk(t)) for off, t in obj.chunks]
-            return LocalShards(obj.shape, chunks, dtype=obj.dtype)
+            return type(obj)(obj.shape, chunks, dtype=obj.dtype)
         if _dtensor(obj):
             from torch.distributed.tensor import DTensor
 

@@ -93,7 +93,7 @@ def _model(api: Any, rank: int, world: int, zeros: bool) -> dict[str, Any]:
     moment = torch.zeros(3, 4) if zeros else torch.full((3, 4), 0.5)
     return {
         "model": linear,
-        "embedding": _local_shards(api)((12, 4), shard, dtype=torch.float32),
+        "embedding": api.LocalShards((12, 4), shard, dtype=torch.float32),  # its own (REF-22)
         "step": 0 if zeros else 7,
         "optim": {
             "state": {"linear.weight": {"exp_avg": moment, "step": 0 if zeros else 7}},
@@ -115,15 +115,6 @@ def _check_loaded(loaded: Any, saved: dict[str, Any]) -> None:
     )
     if not same:
         raise AssertionError(f"the measured load did not load what was saved: {loaded}")
-
-
-def _local_shards(api: Any) -> Any:
-    """The implementation's ``LocalShards``: a caller builds its shards with it."""
-    if hasattr(api, "LocalShards"):
-        return api.LocalShards
-    from refdcp.planning import LocalShards  # TODO: until refdcp.reference exports its own
-
-    return LocalShards
 
 
 def learner_path(impl: str = "reference", asynchronous: bool = False) -> dict[Path, int]:

@@ -44,7 +44,13 @@ import torch
 
 from refdcp.storage.errors import UnsafeObjectError
 
-__all__ = ["UnsafeObjectError", "default_safe_globals", "refused_global", "unpickler_detail"]
+__all__ = [
+    "ALLOW_LIST_LOCK",
+    "UnsafeObjectError",
+    "default_safe_globals",
+    "refused_global",
+    "unpickler_detail",
+]
 
 
 def _numpy_globals() -> list[Any]:
@@ -78,8 +84,9 @@ def _numpy_globals() -> list[Any]:
 def default_safe_globals() -> list[Any]:
     """Every global that non-tensor values may reference when loaded by default (LOAD-7).
 
-    The one place the default allow-list lives: the load planner passes it to
-    ``torch.load(weights_only=True)``; save-time loadability checks use it too.
+    The fast path's one place for the default allow-list: the load planner passes it to
+    ``torch.load(weights_only=True)``; save-time loadability checks use it too. The
+    reference path states it again, readably, and is tested equal (REF-21).
     Entries are classes/functions or ``(object, "module.name")`` pairs, as
     ``torch.serialization.safe_globals`` takes them.
     """
@@ -130,12 +137,13 @@ def unpickler_detail(message: str) -> str:
 
 #: torch keeps its weights-only allow-list in one process-wide list, and its
 #: ``safe_globals`` context restores that list on exit: two threads loading at once (the
-#: ranks of a FakeWorld) would each remove the other's globals mid-load (LOAD-7).
-_ALLOW_LIST_LOCK = threading.Lock()
+#: ranks of a FakeWorld) would each remove the other's globals mid-load (LOAD-7). The
+#: reference path (refdcp/reference/policy.py) takes the same lock.
+ALLOW_LIST_LOCK = threading.Lock()
 
 
 def load_weights_only(data: IO[bytes], extra: list[Any]) -> Any:
     """``torch.load(data, weights_only=True)`` with the default allow-list plus ``extra``,
     one thread at a time, so concurrent loads never see each other's list (LOAD-7, LOAD-8)."""
-    with _ALLOW_LIST_LOCK, torch.serialization.safe_globals([*default_safe_globals(), *extra]):
+    with ALLOW_LIST_LOCK, torch.serialization.safe_globals([*default_safe_globals(), *extra]):
         return torch.load(data, map_location="cpu", weights_only=True)
