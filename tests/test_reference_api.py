@@ -665,3 +665,16 @@ def test_a_stateful_refusing_its_old_state_is_named_on_the_error(impl: ModuleTyp
             impl.load(dest, checkpoint_id=path, comm=SingleRank(), atomic=True)
         assert any("restoring 'a' failed" in note for note in info.value.__notes__)
         assert torch.equal(dest["a"].t, torch.full((4,), -7.0))  # its tensor restored anyway
+
+
+@pytest.mark.spec("REF-5")
+def test_the_learner_path_runs_only_the_reference_and_what_it_shares() -> None:
+    """One save and one load through the reference, the caller building its state inside the
+    trace: modules of ``reference/``, the protocol, the communicators and errors only."""
+    from refdcp.tools.learner_path import MAX_CODE_LINES, MAX_MODULES, learner_path
+
+    path = learner_path("reference")
+    shared = [p for p in path if p.parts[0] != "reference"]
+    assert all(p.parts[0] in ("protocol", "comm") or "errors" in p.name for p in shared), shared
+    assert Path("reference/run.py") in path and Path("reference/local_shards.py") in path
+    assert len(path) <= MAX_MODULES and sum(path.values()) <= MAX_CODE_LINES
