@@ -1,13 +1,15 @@
 """refdcp's reference path: the whole save and load, written to be read (spec/reference.md).
 
 ``import refdcp.reference as dcp`` gives ``save`` and ``load`` with the meaning of
-``refdcp.save`` and ``refdcp.load``: the same protocol tables, driver and
-communicators, the same on-disk format, dedup rule and metadata checks, with
-none of the fast path's speed idioms. The default ``refdcp`` is the same rule,
+``refdcp.save`` and ``refdcp.load`` and their parameters: the same protocol
+tables and communicators (driven by its own loop and step bodies), the same
+on-disk format, dedup rule and metadata checks, with none of the fast path's
+speed idioms. The default ``refdcp`` is the same rule,
 faster; tests run the shared property suites against both and compare them
 (REF-1..REF-6).
 
-Read in this order: :mod:`.api` (save/load), :mod:`.save_planner` with
+Read in this order: :mod:`.api` (save/load), :mod:`.run` (what a rank does at each
+step of the protocol), :mod:`.save_planner` with
 :mod:`.dedup` and :mod:`.metadata`, :mod:`.storage` with :mod:`.format`, then
 :mod:`.load_planner`.
 """
