@@ -678,3 +678,13 @@ def test_the_learner_path_runs_only_the_reference_and_what_it_shares() -> None:
     assert all(p.parts[0] in ("protocol", "comm") or "errors" in p.name for p in shared), shared
     assert Path("reference/run.py") in path and Path("reference/local_shards.py") in path
     assert len(path) <= MAX_MODULES and sum(path.values()) <= MAX_CODE_LINES
+
+
+@pytest.mark.spec("PROTO-10", "REF-1")
+def test_the_reference_steps_are_exactly_the_tables_steps() -> None:
+    from refdcp.protocol import LOAD, SAVE
+    from refdcp.reference.run import LoadSteps, SaveSteps
+
+    for steps, table in ((SaveSteps, SAVE), (LoadSteps, LOAD)):
+        assert set(steps.HANDLERS) == set(table.steps)
+        assert all(handler.__name__ == step.value for step, handler in steps.HANDLERS.items())

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
@@ -53,7 +53,8 @@ __all__ = ["FaultHook", "LoadSteps", "Observer", "SaveSteps", "Snapshot", "StepR
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one rank did at its ``index``-th action, and the event that came of it (TRACE-1)."""
+    """What one rank did at its ``index``-th action, and the event that came of it: what an
+    ``observer`` receives, as from ``refdcp.save``/``refdcp.load`` (REF-1)."""
 
     rank: int
     index: int
@@ -77,9 +78,12 @@ class Steps:
         self.state_dict = state_dict
         self.slots: dict[Slot, Any] = {}
 
+    #: Step -> the method that does it, one explicit table per class (PROTO-10)
+    HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {}
+
     def run(self, step: Step) -> None:
-        """Do ``step``: the method of the step's name, ``set_up`` for ``Step.SET_UP`` (PROTO-10)."""
-        getattr(self, step.value)()
+        """Do ``step`` with the method its class's ``HANDLERS`` names (PROTO-10)."""
+        self.HANDLERS[step](self)
 
 
 def drive(
@@ -264,6 +268,15 @@ class SaveSteps(Steps):
             finish_failed(exc)
             raise
 
+    HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {
+        Step.SET_UP: set_up,
+        Step.LOCAL_PLAN: local_plan,
+        Step.GLOBAL_PLAN: global_plan,
+        Step.FINISH_PLAN: finish_plan,
+        Step.WRITE: write,
+        Step.COMMIT: commit,
+    }
+
 
 class LoadSteps(Steps):
     """One rank's load: set up, plan, read, apply (LOAD-1..LOAD-6)."""
@@ -362,6 +375,15 @@ class LoadSteps(Steps):
             return []
         return self.snapshot.restore(self.state_dict, self.applied)
 
+    HANDLERS: ClassVar[Mapping[Step, Callable[[Any], None]]] = {
+        Step.SET_UP: set_up,
+        Step.LOCAL_PLAN: local_plan,
+        Step.GLOBAL_PLAN: global_plan,
+        Step.FINISH_PLAN: finish_plan,
+        Step.READ: read,
+        Step.APPLY: apply,
+    }
+
 
 class Snapshot:
     """What a load may change, copied before anything is read (LOAD-21): a copy of every
@@ -377,7 +399,8 @@ class Snapshot:
 
     def keep(self, value: Any) -> None:
         """Copy what a load may change in ``value``: its tensors' bytes, its containers'
-        contents (a tensor or container reached twice is copied twice, and restored alike)."""
+        contents (a tensor or container reached twice is copied twice, and restored alike)
+        (LOAD-21)."""
         if isinstance(value, dict):
             self.containers.append((value, dict(value)))
             inner = list(value.values())
