@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
@@ -32,31 +32,29 @@ from .storage import ReferenceReader, ReferenceWriter
 
 __all__ = ["load", "save"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
+class TorchCallForms:
+    """``save``/``load`` in torch 2.13's call forms (API-22): ``fn(state_dict, ...keywords)``,
+    or ``fn(state_dict, storage)``, the second argument taken as ``keyword=`` with torch's
+    warning. The signature is ``fn``'s (``__wrapped__``, API-10)."""
 
-def storage_second(keyword: str) -> Callable[[F], F]:
-    """torch 2.13's two-argument form: ``fn(state_dict, storage)`` is taken as
-    ``fn(state_dict, **{keyword: storage})``, with torch's warning (API-22)."""
+    def __init__(self, fn: Callable[..., Any], keyword: str) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn, self.keyword = fn, keyword
 
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if len(args) != 2:
-                return fn(*args, **kwargs)  # one positional argument, or a TypeError
-            if keyword in kwargs:
-                raise TypeError(f"{fn.__name__}() got multiple values for argument {keyword!r}")
-            warnings.warn(
-                f"{fn.__name__}(state_dict, {keyword}): the argument order has changed; "
-                f"the second positional argument is taken as {keyword}=, pass it by keyword",
-                UserWarning,
-                stacklevel=2,
-            )
-            return fn(args[0], **{keyword: args[1]}, **kwargs)
-
-        return call  # type: ignore[return-value]
-
-    return wrap
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) != 2:
+            return self.fn(*args, **kwargs)  # one positional argument, or a TypeError
+        name, keyword = self.fn.__name__, self.keyword
+        if keyword in kwargs:
+            raise TypeError(f"{name}() got multiple values for argument {keyword!r}")
+        warnings.warn(
+            f"{name}(state_dict, {keyword}): the argument order has changed; "
+            f"the second positional argument is taken as {keyword}=, pass it by keyword",
+            UserWarning,
+            stacklevel=2,
+        )
+        return self.fn(args[0], **{keyword: args[1]}, **kwargs)
 
 
 def communicator(
@@ -89,7 +87,7 @@ def _path(checkpoint_id: Any, storage: object, what: str) -> None:
         )
 
 
-@storage_second("storage_writer")
+@functools.partial(TorchCallForms, keyword="storage_writer")
 def save(
     state_dict: dict[str, Any],
     *,
@@ -137,7 +135,7 @@ def save(
     return metadata
 
 
-@storage_second("storage_reader")
+@functools.partial(TorchCallForms, keyword="storage_reader")
 def load(
     state_dict: dict[str, Any],
     *,
