@@ -85,6 +85,7 @@ def _call_forms(impl: ModuleType, path: Path) -> list[Any]:
         seen.append(torch.equal(out["w"], sd["w"]))
         impl.load(state_dict=out, storage_reader=impl.FileSystemReader(path), no_dist=True)
     seen.append(sorted("argument order" in str(w.message) for w in caught))
+    seen.append({w.filename for w in caught if "argument order" in str(w.message)} == {__file__})
     for bad in (
         lambda: impl.save(sd, impl.FileSystemWriter(path), None),
         lambda: impl.load(out, impl.FileSystemReader(path), storage_reader=None),
@@ -100,7 +101,7 @@ def _call_forms(impl: ModuleType, path: Path) -> list[Any]:
 @pytest.mark.spec("REF-1", "API-22")
 def test_torchs_call_forms_mean_the_same(tmp_path: Path) -> None:
     got = {name: _call_forms(impl, tmp_path / name) for name, impl in IMPLS.items()}
-    assert got["reference"] == got["fast"] == [True, [True, True], True, True, True]
+    assert got["reference"] == got["fast"] == [True, [True, True], True, True, True, True]
 
 
 @pytest.mark.spec("REF-1", "API-4")
@@ -110,8 +111,10 @@ def test_no_dist_runs_one_rank_without_the_warning(impl: ModuleType, tmp_path: P
         warnings.simplefilter("error")  # no_dist=True says it is meant: no warning
         impl.save(sd, checkpoint_id=tmp_path, no_dist=True)
         impl.load({"w": torch.zeros(3)}, checkpoint_id=tmp_path, no_dist=True)
-    with pytest.warns(UserWarning, match="not initialized"):
+    with pytest.warns(UserWarning, match="not initialized") as caught:
         impl.load({"w": torch.zeros(3)}, checkpoint_id=tmp_path)
+    if impl is refdcp.reference:  # it names the caller's line (refdcp's names its call_forms)
+        assert caught[0].filename == __file__
 
 
 def _state(rank: int, world: int, zeros: bool = False) -> dict[str, Any]:
@@ -356,14 +359,27 @@ def _same(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
+#: refdcp.load(atomic=True) refuses a LocalShards destination at set_up: driver/rollback.py
+#: copies it with ``detach()``, which LocalShards does not support (a TypeError)
+FAST_ATOMIC_LOCAL_SHARDS = "refdcp's atomic snapshot cannot copy a LocalShards (driver/rollback.py)"
+
+
 @pytest.mark.spec("REF-1", "LOAD-21", "LOAD-6")
+@pytest.mark.parametrize(
+    "name",
+    [
+        "reference",
+        pytest.param("fast", marks=pytest.mark.xfail(strict=True, reason=FAST_ATOMIC_LOCAL_SHARDS)),
+    ],
+)
 @given(world=st.integers(1, 3), target=st.integers(0, 2), at=st.integers(0, 10))
 def test_an_atomic_load_that_fails_leaves_everything_as_it_was(
-    impl: ModuleType, world: int, target: int, at: int
+    name: str, world: int, target: int, at: int
 ) -> None:
     """A fault before any action of one rank, or the last rank's second ``Stateful``
     refusing its values (``at == 10``): every destination, container and ``Stateful``
-    of every rank as it was, on both paths."""
+    of every rank that raised as it was, on both paths."""
+    impl = IMPLS[name]
     with tempfile.TemporaryDirectory() as path:
 
         def save(c: Any) -> None:
@@ -383,11 +399,15 @@ def test_an_atomic_load_that_fails_leaves_everything_as_it_was(
             return impl.load(dests[c.rank], checkpoint_id=path, comm=c, atomic=True, **hooks)
 
         results = FakeWorld(world).run(load, return_exceptions=True)
-        failed = any(isinstance(r, CheckpointError) for r in results)
-        for r in range(world):
-            if failed:
+        errors = [r for r in results if isinstance(r, CheckpointError)]
+        causes = {type(f.exception).__name__ for e in errors for f in e.rank_failures.values()}
+        assert causes == ({"RuntimeError"} if refuse else {"InjectedFault"} if errors else set())
+        actions = 11 if target % world == 0 else 10  # a coordinator's load has one more
+        assert refuse or at >= actions or isinstance(results[target % world], CheckpointError)
+        for r, result in enumerate(results):
+            if isinstance(result, CheckpointError):  # this rank raised: all as it was
                 assert _same(_snapshot(dests[r]), before[r]) and dests[r]["rows"] is rows[r]
-            else:
+            else:  # it returned: it holds what was saved
                 assert dests[r]["a"].count == 3 and dests[r]["opt"]["step"] == 5
 
 
@@ -550,6 +570,10 @@ def test_safe_globals_extend_the_reference_planners_allow_list(
     assert dest["o"] == _Opaque(3) and _Opaque in planner.safe_globals
     import torch.distributed.checkpoint as tdcp
 
+    plain: dict[str, Any] = {"w": torch.zeros(1)}  # torch's planner, no safe_globals: fine
+    impl.save({"w": torch.ones(1)}, checkpoint_id=tmp_path / "w", no_dist=True)
+    impl.load(plain, checkpoint_id=tmp_path / "w", no_dist=True, planner=tdcp.DefaultLoadPlanner())
+    assert plain["w"].tolist() == [1.0]
     with pytest.raises(ValueError, match="safe_globals"):  # torch's planner unpickles itself
         impl.load(
             dest,
@@ -688,3 +712,43 @@ def test_the_reference_steps_are_exactly_the_tables_steps() -> None:
     for steps, table in ((SaveSteps, SAVE), (LoadSteps, LOAD)):
         assert set(steps.HANDLERS) == set(table.steps)
         assert all(handler.__name__ == step.value for step, handler in steps.HANDLERS.items())
+
+
+@pytest.mark.spec("REF-1", "API-5")
+def test_a_storage_object_is_reset_to_the_checkpoint_id(impl: ModuleType, tmp_path: Path) -> None:
+    """A storage object and a ``checkpoint_id``: the storage is reset to the id (API-5)."""
+    writer = impl.FileSystemWriter(tmp_path / "elsewhere")
+    impl.save(
+        {"w": torch.ones(2)}, storage_writer=writer, checkpoint_id=tmp_path / "a", no_dist=True
+    )
+    assert (tmp_path / "a" / ".metadata").exists() and not (tmp_path / "elsewhere").exists()
+    dest = {"w": torch.zeros(2)}
+    reader = impl.FileSystemReader(tmp_path / "elsewhere")
+    impl.load(dest, storage_reader=reader, checkpoint_id=tmp_path / "a", no_dist=True)
+    assert dest["w"].tolist() == [1.0, 1.0]
+
+
+class _Marks(_RefusesTwice):
+    """Also writes into a dict of the caller's state dict when it loads."""
+
+    def __init__(self, shared: dict[str, Any]) -> None:
+        super().__init__()
+        self.shared = shared
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict(sd)
+        self.shared["marked"] = True
+
+
+@pytest.mark.spec("REF-1", "LOAD-21")
+def test_an_atomic_load_leaves_no_key_it_added(impl: ModuleType) -> None:
+    """A container gets exactly its old contents back: a key added during the load is gone."""
+    with tempfile.TemporaryDirectory() as path:
+        saved = {"a": _Counter(), "b": _Counter(), "shared": {"n": 1}}
+        saved["a"].count = 3  # _Marks refuses its old state once it holds this one
+        impl.save(saved, checkpoint_id=path, comm=SingleRank())
+        shared = {"n": 0}
+        dest = {"a": _Marks(shared), "b": _Counter(fail=True), "shared": shared}
+        with pytest.raises(CheckpointError):
+            impl.load(dest, checkpoint_id=path, comm=SingleRank(), atomic=True)
+        assert dest["shared"] is shared and shared == {"n": 0}
