@@ -19,6 +19,12 @@ from refdcp.asyncsave.default_stager import MAX_SETS, default_stager
 from refdcp.asyncsave.save import InFlightLimiter, async_save
 from refdcp.staging.machine import State
 
+#: Why this module runs on refdcp only (REF-6).
+SINGLE_PATH = (
+    "ASYNC-30/31 are refdcp.async_save's cached default stager; the reference stages a fresh "
+    "copy and its release_staging_buffers frees nothing (REF-10, REF-12)"
+)
+
 
 def _state(value: float) -> dict[str, Any]:
     return {

@@ -15,6 +15,12 @@ from refdcp.asyncsave.groups import GroupRegistry
 from refdcp.asyncsave.save import async_save
 from tests.test_layering import imports_of
 
+#: Why this module runs on refdcp only (REF-6).
+SINGLE_PATH = (
+    "executor strategy objects and the checkpoint-group registry are refdcp.async_save's "
+    "internals; refdcp.reference.async_save runs on a thread only (REF-12)"
+)
+
 
 class _PG:
     """A stand-in process group: only its ranks matter to the registry."""
@@ -74,7 +80,9 @@ def test_executor_is_a_strategy_chosen_once() -> None:
         reached, _, _ = imports_of(module)
         assert "refdcp.asyncsave.save" not in reached, module
     with pytest.raises(ValueError, match="save_fn"):
-        ProcessExecutor().plan(comm=None, process_group=None, no_dist=True, save_fn=lambda *a, **k: None)
+        ProcessExecutor().plan(
+            comm=None, process_group=None, no_dist=True, save_fn=lambda *a, **k: None
+        )
 
 
 class _Recording(ThreadExecutor):

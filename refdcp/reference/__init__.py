@@ -12,6 +12,8 @@ Read in this order: :mod:`.api` (save/load), :mod:`.run` (what a rank does at ea
 step of the protocol), :mod:`.save_planner` with
 :mod:`.dedup` and :mod:`.metadata`, :mod:`.storage` with :mod:`.format`, then
 :mod:`.load_planner`.
+``async_save`` (:mod:`.async_save`) stages with :mod:`.staging` and runs
+``save`` on a background thread (REF-10, REF-11).
 """
 
 from refdcp.errors import (
@@ -23,11 +25,13 @@ from refdcp.errors import (
     RefdcpError,
 )
 from refdcp.reference.api import load, save
+from refdcp.reference.async_save import AsyncSaveHandle, InFlightLimiter, async_save
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.reference.load_planner import ReferenceLoadPlanner
 from refdcp.reference.local_shards import LocalShards
 from refdcp.reference.metadata import reference_metadata_problems
 from refdcp.reference.save_planner import ReferenceSavePlanner
+from refdcp.reference.staging import CpuStager, ReferenceStager, release_staging_buffers
 from refdcp.reference.storage import ReferenceReader, ReferenceWriter
 from refdcp.storage.errors import CorruptionError
 
@@ -49,6 +53,12 @@ __all__ = [
     "FileSystemWriter",
     "ProtocolError",
     "RefdcpError",
+    "AsyncSaveHandle",
+    "CpuStager",
+    "InFlightLimiter",
+    "ReferenceStager",
+    "async_save",
+    "release_staging_buffers",
     "Decision",
     "LocalShards",
     "ReferenceLoadPlanner",
