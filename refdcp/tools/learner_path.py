@@ -195,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:6d}  {module}")
     print(f"{len(path)} modules, {sum(path.values())} code lines")
     if not (args.torch or args.asynchronous) and hasattr(_api(impl), "async_save"):
-        with_async = learner_path(impl, asynchronous=True)
+        try:
+            with_async = learner_path(impl, asynchronous=True)
+        except Exception as exc:  # the first figure stands; say why the second is missing
+            lines = str(exc).splitlines() or [""]
+            why = lines[0] if len(lines) == 1 else f"{lines[0]}; ... {lines[-1].strip()}"
+            print(f"with async_save: not measured, the run failed: {type(exc).__name__}: {why}")
+            return 1
         print(f"with async_save: {len(with_async)} modules, {sum(with_async.values())} code lines")
     return 0
 
