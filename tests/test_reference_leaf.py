@@ -1,4 +1,4 @@
-"""The reference's own leaves equal the fast path's (REF-20, REF-21, REF-22).
+"""The reference's own leaves equal the fast path's (REF-14, REF-15, REF-16).
 
 Flattening and its structure record (planning/flatten.py), the load policy
 (planning/load_policy.py), the allow-list of non-tensor values
@@ -58,7 +58,7 @@ from refdcp.tools.learner_path import learner_path
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
-# --- flattening (REF-20) ---------------------------------------------------------------
+# --- flattening (REF-14) ---------------------------------------------------------------
 
 keys = st.one_of(
     st.sampled_from(["a", "b", "a.b", "0", "", ref_flatten.RESERVED_KEY]),
@@ -114,7 +114,7 @@ def _outcome(fn: Any, sd: Any) -> Any:
         return exc
 
 
-@pytest.mark.spec("REF-20", "FLAT-1", "FLAT-5", "FLAT-6")
+@pytest.mark.spec("REF-14", "FLAT-1", "FLAT-5", "FLAT-6")
 @example(RULES)
 @example({"a.b": 1, "a": {"b": 2}})
 @given(st.one_of(state_dicts, nested))
@@ -133,7 +133,7 @@ def test_reference_flattening_equals_the_fast_one(sd: Any) -> None:
     assert {**rflat.paths, "r": rstruct} == {**fflat.paths, "r": fstruct}
 
 
-@pytest.mark.spec("REF-20", "FLAT-6")
+@pytest.mark.spec("REF-14", "FLAT-6")
 def test_refusals_name_both_paths_and_the_reserved_key() -> None:
     for sd in ({"a.b": 1, "a": {"b": 2}}, {ref_flatten.RESERVED_KEY: torch.ones(1)}, [1]):
         fast, ref = _outcome(_fast, sd), _outcome(_ref, sd)
@@ -154,7 +154,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.mark.spec("REF-20", "FLAT-1", "FLAT-4")
+@pytest.mark.spec("REF-14", "FLAT-1", "FLAT-4")
 @example(RULES, True)
 @example(RULES, False)
 @given(state_dicts, st.booleans())
@@ -175,7 +175,7 @@ def test_set_by_rich_path_equals_the_fast_one(sd: dict[Any, Any], from_empty: bo
     assert _same(ref_root, fast_root)
 
 
-# --- load policy (REF-21) --------------------------------------------------------------
+# --- load policy (REF-15) --------------------------------------------------------------
 
 DTYPES = [torch.float32, torch.float16, torch.int64]
 shapes = st.lists(st.integers(0, 3), min_size=0, max_size=2).map(tuple)
@@ -226,7 +226,7 @@ _EVERY_PROBLEM = (
 )
 
 
-@pytest.mark.spec("REF-21", "POLICY-1", "POLICY-2", "POLICY-3", "POLICY-4", "POLICY-5")
+@pytest.mark.spec("REF-15", "POLICY-1", "POLICY-2", "POLICY-3", "POLICY-4", "POLICY-5")
 @example(*_EVERY_PROBLEM, True, True, False)
 @example(*_EVERY_PROBLEM, False, False, True)
 @given(
@@ -246,7 +246,7 @@ def test_reference_load_policy_equals_the_fast_one(
     assert ref == fast
 
 
-@pytest.mark.spec("REF-21", "POLICY-1")
+@pytest.mark.spec("REF-15", "POLICY-1")
 def test_reference_load_raises_the_fast_paths_policy_error(tmp_path: Path) -> None:
     refdcp.save({"w": torch.ones(2, 3), "s": 1}, checkpoint_id=tmp_path, no_dist=True)
     messages = []
@@ -263,7 +263,7 @@ def test_reference_load_raises_the_fast_paths_policy_error(tmp_path: Path) -> No
     assert messages[0] == messages[1] and len(messages[0]) == 2
 
 
-# --- the allow-list of non-tensor values (REF-21) --------------------------------------
+# --- the allow-list of non-tensor values (REF-15) --------------------------------------
 
 
 def _entries(allowed: list[Any]) -> tuple[set[Any], list[Any]]:
@@ -272,7 +272,7 @@ def _entries(allowed: list[Any]) -> tuple[set[Any], list[Any]]:
     return plain, [g[0] for g in allowed if g not in plain]
 
 
-@pytest.mark.spec("REF-21", "LOAD-7")
+@pytest.mark.spec("REF-15", "LOAD-7")
 def test_reference_allow_list_equals_the_fast_one() -> None:
     fast, fast_bytes = _entries(fast_globals.default_safe_globals())
     ref, ref_bytes = _entries(policy.allow_list())
@@ -367,7 +367,7 @@ def _comparable(value: Any) -> Any:
     return pickle.dumps(value, protocol=4)
 
 
-@pytest.mark.spec("REF-21", "LOAD-7", "LOAD-8", "LOAD-9")
+@pytest.mark.spec("REF-15", "LOAD-7", "LOAD-8", "LOAD-9")
 @given(values, st.sampled_from([[], [Config], [Color, Config]]))
 def test_reference_unpickling_accepts_and_refuses_as_the_fast_path(
     value: Any, extra: list[Any]
@@ -375,7 +375,7 @@ def test_reference_unpickling_accepts_and_refuses_as_the_fast_path(
     _unpickle_alike(value, extra)
 
 
-@pytest.mark.spec("REF-21", "LOAD-7", "LOAD-9")
+@pytest.mark.spec("REF-15", "LOAD-7", "LOAD-9")
 @pytest.mark.parametrize("value", VALUES, ids=lambda v: type(v).__name__)
 def test_every_sample_value_unpickles_alike(value: Any) -> None:
     _unpickle_alike(value, [])
@@ -389,7 +389,7 @@ def _unpickle_alike(value: Any, extra: list[Any]) -> None:
     assert _comparable(ref) == _comparable(fast)
 
 
-@pytest.mark.spec("REF-21", "LOAD-9")
+@pytest.mark.spec("REF-15", "LOAD-9")
 @pytest.mark.parametrize(
     ("value", "refused"),
     [
@@ -408,7 +408,7 @@ def test_hostile_values_are_refused_unrun_by_both(value: Any, refused: str | Non
         assert policy.unpickle_value("k", io.BytesIO(buf.getvalue()), [Config]) == Config()
 
 
-# --- LocalShards (REF-22) --------------------------------------------------------------
+# --- LocalShards (REF-16) --------------------------------------------------------------
 
 boxes = st.lists(
     st.tuples(
@@ -448,7 +448,7 @@ def _overlapping(message: str, spec: list[Any]) -> bool:
     )
 
 
-@pytest.mark.spec("REF-22", "PLAN-3", "PLAN-4")
+@pytest.mark.spec("REF-16", "PLAN-3", "PLAN-4")
 @example((4, 4), [([0, 0], (2, 2)), ([1, 1], (2, 2))], None)  # overlap
 @example((4, 4), [([0, 0], (0, 2)), ([0, 0], (2, 2)), ([2, 0], (2, 4))], None)  # empty + full
 @example((4, 4), [([3, 0], (2, 2))], None)  # out of bounds
@@ -503,7 +503,7 @@ def test_reference_local_shards_equal_the_fast_ones(
         ref.clone()
 
 
-@pytest.mark.spec("REF-22", "PLAN-4")
+@pytest.mark.spec("REF-16", "PLAN-4")
 def test_chunks_on_two_devices_are_refused_alike() -> None:
     chunks = [((0,), torch.ones(1)), ((1,), torch.empty(1, device="meta"))]
     fast, ref = (
@@ -532,7 +532,7 @@ def _table(cls: Any, rank: int, world: int, zeros: bool) -> Any:
     return cls((6, 4), [((start, 0), part)] if stop > start else [], dtype=torch.float32)
 
 
-@pytest.mark.spec("REF-22", "PLAN-3")
+@pytest.mark.spec("REF-16", "PLAN-3")
 @pytest.mark.parametrize("planners", ["torch", "reference", "refdcp"])
 def test_reference_local_shards_save_and_load_resharded(tmp_path: Path, planners: str) -> None:
     """Saved at 2 ranks and loaded at 3 through torch's default planners, the reference's
@@ -558,7 +558,7 @@ def test_reference_local_shards_save_and_load_resharded(tmp_path: Path, planners
     assert FakeWorld(3).run(load) == [True] * 3
 
 
-@pytest.mark.spec("REF-22", "PLAN-14")
+@pytest.mark.spec("REF-16", "PLAN-14")
 @pytest.mark.parametrize("stager", ["refdcp", "torch"])
 def test_stagers_copy_the_reference_local_shards(tmp_path: Path, stager: str) -> None:
     rows = torch.arange(12.0).reshape(3, 4)
@@ -578,10 +578,10 @@ def test_stagers_copy_the_reference_local_shards(tmp_path: Path, stager: str) ->
     assert torch.equal(got, torch.arange(12.0).reshape(3, 4)) and dest["step"] == 3
 
 
-# --- the learner's path (REF-20..22) ---------------------------------------------------
+# --- the learner's path (REF-14..22) ---------------------------------------------------
 
 
-@pytest.mark.spec("REF-20", "REF-21", "REF-22")
+@pytest.mark.spec("REF-14", "REF-15", "REF-16")
 def test_a_reference_save_and_load_run_none_of_the_fast_leaves() -> None:
     ran = {str(p) for p in learner_path("reference")}
     assert {"reference/flatten.py", "reference/policy.py", "reference/local_shards.py"} <= ran

@@ -259,7 +259,13 @@ class Table:
             committed=state.committed or row.commits,
         )
         # A failed rank does no work of its own: it takes the err row instead (PROTO-5).
+        hops = 0
         while new.failure is not None and row.kind in (Kind.LOCAL, Kind.RETURN):
+            hops += 1
+            if hops > len(self.rows):  # err rows that never reach a collective or an end
+                raise ProtocolError(
+                    "PROTO-5", f"{self.name} protocol: the err rows from {str(state.phase)!r} loop"
+                )
             row = self.lookup(new.phase, On.ERR, new.coordinator)
             new = replace(new, phase=row.next, committed=new.committed or row.commits)
         return new, _action(row, new)

@@ -1,4 +1,4 @@
-"""Nested state dicts to FQN keys and back, written to be read (FLAT-1..6, REF-20).
+"""Nested state dicts to FQN keys and back, written to be read (FLAT-1..6, REF-14).
 
 A state dict is walked depth first. Mappings are always entered; a list is entered
 when it holds a tensor or a container that is entered (torch's rule); a tuple only

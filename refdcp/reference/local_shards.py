@@ -1,5 +1,5 @@
 """``LocalShards``, written to be read: a sharded tensor that needs no process group
-(PLAN-3..5, REF-22).
+(PLAN-3..5, REF-16).
 
 A rank names the global shape and the ``(offsets, local_tensor)`` chunks it holds.
 The class speaks torch's checkpointable protocol (``__create_write_items__``,

@@ -1,4 +1,4 @@
-"""What a load accepts, written to be read (POLICY-1..6, LOAD-7..9, REF-21).
+"""What a load accepts, written to be read (POLICY-1..6, LOAD-7..9, REF-15).
 
 Two rules. :func:`check_load` compares the flattened destination with the
 checkpoint's metadata and lists every problem before any read (POLICY-1).

@@ -65,7 +65,7 @@ def _children(obj: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def _local_shards(obj: object) -> bool:
-    """refdcp's LocalShards or the reference's (REF-22): both stage chunk by chunk."""
+    """refdcp's LocalShards or the reference's (REF-16): both stage chunk by chunk."""
     from refdcp.planning.local_shards import LocalShards
     from refdcp.reference.local_shards import LocalShards as ReferenceLocalShards
 

@@ -86,7 +86,7 @@ def default_safe_globals() -> list[Any]:
 
     The fast path's one place for the default allow-list: the load planner passes it to
     ``torch.load(weights_only=True)``; save-time loadability checks use it too. The
-    reference path states it again, readably, and is tested equal (REF-21).
+    reference path states it again, readably, and is tested equal (REF-15).
     Entries are classes/functions or ``(object, "module.name")`` pairs, as
     ``torch.serialization.safe_globals`` takes them.
     """
