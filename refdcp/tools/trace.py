@@ -12,7 +12,10 @@ read boxes that reshard saved chunks onto the new layout.
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
 import sys
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -42,10 +45,14 @@ from refdcp.protocol import LOAD, SAVE, Kind
 from refdcp.protocol.names import Slot
 from refdcp.reference import ReferenceLoadPlanner, ReferenceSavePlanner
 from refdcp.reference.dedup import Decision, reference_dedup
+from refdcp.storage.fs.paths import open_regular
 from refdcp.storage.memory import MemoryStorage
 
 __all__ = [
     "FORMATS",
+    "archive_entries",
+    "file_layout",
+    "read_checkpoint_files",
     "TraceResult",
     "render_mermaid",
     "render_text",
@@ -215,6 +222,47 @@ def run_trace(
         _same(c.state_dict, model_state(c.rank, load_world, sharding)) for c in loads
     )
     return res
+
+
+# --- the files on disk (TRACE-14) ----------------------------------------------------------
+
+
+def read_checkpoint_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Every regular file of a checkpoint directory, by name in sorted order, read through
+    refdcp's one opening rule (STORE-59): ``.metadata`` first, then the data files."""
+    out: dict[str, bytes] = {}
+    for name in sorted(os.listdir(directory)):
+        fd = open_regular(os.path.join(directory, name), os.O_RDONLY)
+        with open(fd, "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def archive_entries(blob: bytes) -> list[str]:
+    """The entry names of a stored item's ``torch.save`` zip archive, its folder dropped
+    (FMT-3); ``["not a zip archive"]`` for anything else."""
+    if not blob.startswith(b"PK\x03\x04"):
+        return ["not a zip archive"]
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        return [i.filename.partition("/")[2] or i.filename for i in archive.infolist()]
+
+
+def file_layout(data: bytes, items: Sequence[tuple[int, int, str]]) -> list[str]:
+    """Each byte range of a data file, in order: an item (``label``), or the bytes between
+    items, named as zero padding when they are all zero (STORE-50)."""
+    out: list[str] = []
+    pos = 0
+    for offset, length, label in sorted(items):
+        if offset > pos:
+            gap = data[pos:offset]
+            what = "zero padding" if gap == bytes(len(gap)) else "unexplained bytes"
+            out.append(f"[{pos}, {offset}) {offset - pos} B {what}")
+        magic = "zip archive" if data[offset : offset + 4] == b"PK\x03\x04" else "raw bytes"
+        out.append(f"[{offset}, {offset + length}) {length} B {label}: {magic}")
+        pos = max(pos, offset + length)
+    if pos < len(data):
+        out.append(f"[{pos}, {len(data)}) {len(data) - pos} B after the last item")
+    return out
 
 
 def _problem_lines(err: BaseException) -> str:
