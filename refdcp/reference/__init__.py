@@ -12,14 +12,40 @@ Read in this order: :mod:`.api` (save/load), :mod:`.save_planner` with
 :mod:`.load_planner`.
 """
 
+from refdcp.errors import (
+    CheckpointError,
+    CommAborted,
+    CommError,
+    CommTimeout,
+    ProtocolError,
+    RefdcpError,
+)
 from refdcp.reference.api import load, save
 from refdcp.reference.dedup import Decision, reference_dedup
 from refdcp.reference.load_planner import ReferenceLoadPlanner
 from refdcp.reference.metadata import reference_metadata_problems
 from refdcp.reference.save_planner import ReferenceSavePlanner
 from refdcp.reference.storage import ReferenceReader, ReferenceWriter
+from refdcp.storage.errors import CorruptionError
+
+#: torch's and refdcp's names for the reference planners and storage (REF-1)
+DefaultSavePlanner = ReferenceSavePlanner
+DefaultLoadPlanner = ReferenceLoadPlanner
+FileSystemWriter = ReferenceWriter
+FileSystemReader = ReferenceReader
 
 __all__ = [
+    "CheckpointError",
+    "CommAborted",
+    "CommError",
+    "CommTimeout",
+    "CorruptionError",
+    "DefaultLoadPlanner",
+    "DefaultSavePlanner",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "ProtocolError",
+    "RefdcpError",
     "Decision",
     "ReferenceLoadPlanner",
     "ReferenceReader",
