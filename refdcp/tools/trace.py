@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import io
 import os
 import sys
@@ -364,12 +363,7 @@ class _RecordingWriter(ReferenceWriter):
         return fut
 
 
-def _observing(fn: Any, records: list[StepRecord]) -> dict[str, Any]:
-    """``observer=records.append`` when ``fn`` takes an observer (TRACE-14)."""
-    return {"observer": records.append} if "observer" in inspect.signature(fn).parameters else {}
-
-
-def _in_protocol_order(records: list[StepRecord]) -> list[StepRecord]:
+def _in_protocol_order(records: list[Any]) -> list[StepRecord]:
     """Records from ranks that ran on threads, in one deterministic order: by phase in
     protocol order, then by rank (each rank's own records keep their order)."""
     order = {p.value: i for i, p in enumerate(Phase)}
@@ -384,7 +378,7 @@ def _reference_trace(res: TraceResult, directory: str) -> TraceResult:
     res.directory = directory
     rec = _Recorder(res.save_world, res.load_world)
     base = ReferenceSavePlanner if res.dedup else _NoDedupReference
-    save_steps: list[StepRecord] = []
+    save_steps: list[Any] = []  # refdcp.reference.run.StepRecord: the same fields
 
     def save_rank(comm: Any) -> Metadata:
         r = comm.rank
@@ -393,7 +387,7 @@ def _reference_trace(res: TraceResult, directory: str) -> TraceResult:
             storage_writer=_RecordingWriter(directory, rec, r),
             planner=_recording_save_planner(rec, r, base),
             comm=comm,
-            **_observing(refdcp.reference.save, save_steps),
+            observer=save_steps.append,
         )
         return md
 
@@ -409,7 +403,7 @@ def _reference_trace(res: TraceResult, directory: str) -> TraceResult:
     res.decisions = explain_dedup(res.local_plans, res.final_plans)
     res.writes = list(rec.writes)
     res.metadata = saved[0]
-    load_steps: list[StepRecord] = []
+    load_steps: list[Any] = []
 
     def load_rank(comm: Any) -> dict[str, Any]:
         state = empty_model_state(comm.rank, res.load_world, res.sharding)
@@ -418,7 +412,7 @@ def _reference_trace(res: TraceResult, directory: str) -> TraceResult:
             checkpoint_id=directory,
             planner=_RecordingLoadPlanner(rec, comm.rank),
             comm=comm,
-            **_observing(refdcp.reference.load, load_steps),
+            observer=load_steps.append,
         )
         return state
 
@@ -564,16 +558,6 @@ def _files_section(res: TraceResult) -> list[str]:
     return lines
 
 
-def _steps_or_none(records: list[StepRecord], world: int) -> list[str]:
-    return _steps(records, world) if records else []
-
-
-def _no_steps(records: list[StepRecord]) -> list[str]:
-    if records:
-        return []
-    return ["  (not recorded: this refdcp.reference takes no observer)"]
-
-
 def render_text(res: TraceResult) -> str:
     lines = [
         f"refdcp trace: save at world {res.save_world}, load at world {res.load_world} "
@@ -582,8 +566,7 @@ def render_text(res: TraceResult) -> str:
         "",
         "== SAVE ==",
         _STEPS_HEADER,
-        *_steps_or_none(res.save_steps, res.save_world),
-        *_no_steps(res.save_steps),
+        *_steps(res.save_steps, res.save_world),
         "",
         "local plans (every rank plans every chunk it holds):",
     ]
@@ -633,8 +616,7 @@ def render_text(res: TraceResult) -> str:
         "",
         "== LOAD ==",
         _STEPS_HEADER,
-        *_steps_or_none(res.load_steps, res.load_world),
-        *_no_steps(res.load_steps),
+        *_steps(res.load_steps, res.load_world),
         "  (gather: rank 0 receives; scatter, broadcast: rank 0 sends; all_gather: every rank",
         "   receives every rank's outcome, so a failed read or apply on any rank makes every",
         "   rank raise, and no rank applies a partial load)",
