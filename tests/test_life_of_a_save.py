@@ -53,6 +53,8 @@ def test_the_page_shows_the_reference_writers_real_files(record: life.Record) ->
         rng = f"[{info.offset}, {info.offset + info.length}) {info.length} B `{idx.fqn}`"
         assert rng in files_section
         assert ref.files[info.relative_path][info.offset : info.offset + 4] == b"PK\x03\x04"
+        if idx.offset is not None:  # a tensor chunk starts on a 64-byte boundary, as it says
+            assert info.offset % 64 == 0
 
 
 @pytest.mark.spec("TOOL-27")
