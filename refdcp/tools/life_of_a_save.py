@@ -54,6 +54,7 @@ from refdcp.reference import (
     ReferenceSavePlanner,
     ReferenceWriter,
 )
+from refdcp.reference.format import METADATA, TRAILER
 from refdcp.tools.trace import archive_entries, file_layout, read_checkpoint_files
 
 __all__ = [
@@ -397,8 +398,8 @@ def _files(run: PathRun) -> list[str]:
         if name in labels:
             out.append(f"- `{shown}`, {len(data)} B:")
             out.extend(f"  - {line}" for line in file_layout(data, labels[name]))
-        elif name == ".metadata":
-            head, _, trailer = data.rpartition(b"#refdcp-crc32c:")
+        elif name == METADATA:
+            head, _, trailer = data.rpartition(TRAILER)
             ok = trailer[:8] == b"%08x" % crc32c.crc32c(head) and trailer[8:] == b"\n"
             out.append(
                 "- `.metadata`, `<n>` B (the pickle holds the directory's path): "
@@ -511,8 +512,8 @@ def _differences(ref: PathRun, dft: PathRun) -> list[str]:
         "|---|---|---|---|",
     ]
     for (a, da), (b, db) in zip(ref.files.items(), dft.files.items(), strict=False):
-        size_a = "`<n>`" if a == ".metadata" else str(len(da))
-        size_b = "`<n>`" if b == ".metadata" else str(len(db))
+        size_a = "`<n>`" if a == METADATA else str(len(da))
+        size_b = "`<n>`" if b == METADATA else str(len(db))
         out.append(f"| `{ref.mask(a)}` | {size_a} | `{dft.mask(b)}` | {size_b} |")
     ref_token, dft_token = ref.token(), dft.token()
     out += [

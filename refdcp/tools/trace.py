@@ -60,6 +60,7 @@ from refdcp.reference import (
     ReferenceWriter,
 )
 from refdcp.reference.dedup import Decision, reference_dedup
+from refdcp.reference.format import METADATA, TRAILER
 from refdcp.reference.metadata import build_metadata
 from refdcp.storage.fs.paths import open_regular
 from refdcp.storage.memory import MemoryStorage
@@ -538,8 +539,8 @@ def _files_section(res: TraceResult) -> list[str]:
             items.setdefault(info.relative_path, []).append((info.offset, info.length, label))
     for name, data in res.files.items():
         lines.append(f"  {name}  {len(data)} B")
-        if name == ".metadata":
-            _, sep, trailer = data.rpartition(b"#refdcp-crc32c:")
+        if name == METADATA:
+            _, sep, trailer = data.rpartition(TRAILER)
             tail = f"then the trailer {(sep + trailer)!r}" if sep else "no checksum trailer"
             lines.append(
                 f"    pickle of the Metadata (protocol {data[1] if len(data) > 1 else '?'}), "
