@@ -77,9 +77,9 @@ class Steps:
         self.state_dict = state_dict
         self.slots: dict[Slot, Any] = {}
 
-    def body(self, step: Step) -> Callable[[], None]:
-        """The method that does ``step`` (PROTO-10)."""
-        raise NotImplementedError
+    def run(self, step: Step) -> None:
+        """Do ``step``: the method of the step's name, ``set_up`` for ``Step.SET_UP`` (PROTO-10)."""
+        getattr(self, step.value)()
 
 
 def drive(
@@ -106,7 +106,8 @@ def drive(
                 fault(index, action)
             except BaseException as exc:
                 interrupt = interrupt if isinstance(exc, Exception) else exc
-                event = Event(On.ERR, failure=Failure.capture(comm.rank, _where(action), exc))
+                failure = Failure.capture(comm.rank, action.phase, exc)  # named as ERR-4 says
+                event = Event(On.ERR, failure=failure)
         start = time.perf_counter()
         if event is None:
             if action.kind in (Kind.RETURN, Kind.RAISE) and interrupt is not None:
@@ -123,25 +124,17 @@ def drive(
                 event = _collective(table, state, action, steps, comm)
         if observer is not None:
             seconds = time.perf_counter() - start
-            observer(
-                StepRecord(
-                    state.rank, index, action.phase, action.kind, action.name, event.on, seconds
-                )
-            )
+            phase, name = str(action.phase), action.name
+            observer(StepRecord(state.rank, index, phase, action.kind, name, event.on, seconds))
         state, action = table.transition(state, event)
         index += 1
-
-
-def _where(action: Action) -> str:
-    """The step a failure at ``action`` is reported under (ERR-4)."""
-    return str(action.step or action.phase)
 
 
 def _local(steps: Steps, action: Action) -> tuple[Event, BaseException | None]:
     """Run a local step: ``ok``, or ``err`` with the failure (and an interrupt to re-raise)."""
     assert action.step is not None
     try:
-        steps.body(action.step)()
+        steps.run(action.step)
     except Exception as exc:
         return Event(On.ERR, failure=Failure.capture(steps.rank, action.step, exc)), None
     except BaseException as exc:  # KeyboardInterrupt, SystemExit: peers hear of it (ERR-10)
@@ -212,16 +205,6 @@ class SaveSteps(Steps):
     ) -> None:
         super().__init__(rank, world_size, coordinator, state_dict)
         self.writer, self.planner, self.checkpoint_id = writer, planner, checkpoint_id
-
-    def body(self, step: Step) -> Callable[[], None]:
-        return {
-            Step.SET_UP: self.set_up,
-            Step.LOCAL_PLAN: self.local_plan,
-            Step.GLOBAL_PLAN: self.global_plan,
-            Step.FINISH_PLAN: self.finish_plan,
-            Step.WRITE: self.write,
-            Step.COMMIT: self.commit,
-        }[step]
 
     def set_up(self) -> None:
         """``Stateful`` values become their state dicts; the planner and the writer learn
@@ -302,16 +285,6 @@ class LoadSteps(Steps):
         self.verify, self.atomic = verify, atomic
         self.snapshot: Snapshot | None = None
         self.applied: list[Any] = []  # top-level keys whose load_state_dict ran (LOAD-21)
-
-    def body(self, step: Step) -> Callable[[], None]:
-        return {
-            Step.SET_UP: self.set_up,
-            Step.LOCAL_PLAN: self.local_plan,
-            Step.GLOBAL_PLAN: self.global_plan,
-            Step.FINISH_PLAN: self.finish_plan,
-            Step.READ: self.read,
-            Step.APPLY: self.apply,
-        }[step]
 
     def set_up(self) -> None:
         """Destinations (``Stateful`` values' state dicts), the metadata, then the planner and
@@ -399,14 +372,12 @@ class Snapshot:
         self.tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.containers: list[tuple[Any, Any]] = []
         self.destinations = destinations
-        seen: set[int] = set()
-        self.keep(state_dict, seen)
-        self.keep(destinations, seen)
+        self.keep(state_dict)
+        self.keep(destinations)
 
-    def keep(self, value: Any, seen: set[int]) -> None:
-        if id(value) in seen:
-            return
-        seen.add(id(value))
+    def keep(self, value: Any) -> None:
+        """Copy what a load may change in ``value``: its tensors' bytes, its containers'
+        contents (a tensor or container reached twice is copied twice, and restored alike)."""
         if isinstance(value, dict):
             self.containers.append((value, dict(value)))
             inner = list(value.values())
@@ -419,7 +390,7 @@ class Snapshot:
             self.tensors += [(t, t.detach().clone()) for t in _written_memory(value)]
             inner = []
         for v in inner:
-            self.keep(v, seen)
+            self.keep(v)
 
     def restore(self, state_dict: dict[Any, Any], applied: list[Any]) -> list[str]:
         """Put every tensor and container back, then give each applied ``Stateful`` its

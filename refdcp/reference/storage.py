@@ -172,7 +172,7 @@ class ReferenceReader(StorageReader):
         """None: check items that carry a checksum; True: every item must; False: none (LOAD-10)."""
         self.verify = verify
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, read with the restricted unpickler (FMT-6, FMT-7, INTEG-2)."""
         with self._open(METADATA) as f:
             self.metadata = load_metadata(f.read(), str(self.path / METADATA))

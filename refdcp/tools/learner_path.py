@@ -1,13 +1,16 @@
 """How much code a learner reads to follow one save and one load (REF-5).
 
 ``python -m refdcp.tools.learner_path`` traces the lines executed by a 4-rank
-FakeWorld save of a small model (a replicated linear layer, a row-sharded
-embedding as ``LocalShards``, a step counter and nested optimizer-like state)
-and a 3-rank resharding load of it, and prints every refdcp module that ran
-with its code lines (non-blank, non-comment, non-docstring lines of the whole
-module). ``--fast`` measures ``refdcp.save``/``refdcp.load`` instead of
-``refdcp.reference``; ``--torch`` measures torch's own ``dcp.save``/``dcp.load``
-(one process, no process group) for comparison.
+FakeWorld save of a small model (a replicated linear layer given as a
+``Stateful``, a row-sharded embedding as ``LocalShards``, a step counter and
+nested optimizer-like state) and a 3-rank resharding load of it, each rank
+building its own state inside the trace, and prints every refdcp module that
+ran with its code lines (non-blank, non-comment, non-docstring lines of the
+whole module), then a second figure with ``async_save`` in place of ``save``
+when the implementation has one (``--async``: that figure alone). ``--fast``
+measures ``refdcp.save``/``refdcp.load`` instead of ``refdcp.reference``;
+``--torch`` measures torch's own ``dcp.save``/``dcp.load`` (one process, no
+process group) for comparison.
 """
 
 from __future__ import annotations
@@ -74,26 +77,59 @@ def traced_files(run: Callable[[], Any], under: Path) -> set[Path]:
     return {Path(f) for f in seen}
 
 
-def _model(rank: int, world: int, zeros: bool) -> dict[str, Any]:
-    from refdcp.planning import LocalShards
-
-    def fill(t: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(t) if zeros else t
-
-    table = fill(torch.arange(48.0).reshape(12, 4))
+def _model(api: Any, rank: int, world: int, zeros: bool) -> dict[str, Any]:
+    """What a training script checkpoints, built by the caller: a model (a replicated
+    linear layer, a top-level ``Stateful``), a row-sharded embedding as ``LocalShards``,
+    a step counter and nested optimizer-like state."""
+    linear = torch.nn.Linear(4, 3)
+    table = torch.arange(48.0).reshape(12, 4) * (0 if zeros else 1)
+    with torch.no_grad():  # the same weights on every rank: a replicated layer
+        linear.weight.copy_(torch.arange(12.0).reshape(3, 4) * (0 if zeros else 1))
+        linear.bias.fill_(0 if zeros else 1)
     rows = -(-12 // world)
     start = min(rank * rows, 12)
     stop = min(start + rows, 12)
     shard = [((start, 0), table[start:stop].clone())] if stop > start else []
+    moment = torch.zeros(3, 4) if zeros else torch.full((3, 4), 0.5)
     return {
-        "linear": {"weight": fill(torch.ones(3, 4)), "bias": fill(torch.ones(3))},
-        "embedding": LocalShards((12, 4), shard, dtype=torch.float32),
-        "optim": {"step": 0 if zeros else 7, "state": [fill(torch.full((3,), 2.0))]},
+        "model": linear,
+        "embedding": _local_shards(api)((12, 4), shard, dtype=torch.float32),
+        "step": 0 if zeros else 7,
+        "optim": {
+            "state": {"linear.weight": {"exp_avg": moment, "step": 0 if zeros else 7}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": ["linear.weight"]}],
+        },
     }
 
 
-def learner_path(impl: str = "reference") -> dict[Path, int]:
-    """Every refdcp module that one save at 4 ranks and one load at 3 ran, with its code lines."""
+def _check_loaded(loaded: Any, saved: dict[str, Any]) -> None:
+    """The measured load put back every value the save stored (REF-5 measures a working run)."""
+    same = (
+        torch.equal(loaded["model"].weight, saved["model"].weight)
+        and all(
+            torch.equal(a[1], b[1])
+            for a, b in zip(loaded["embedding"].chunks, saved["embedding"].chunks)
+        )
+        and loaded["step"] == saved["step"]
+        and repr(loaded["optim"]) == repr(saved["optim"])
+    )
+    if not same:
+        raise AssertionError(f"the measured load did not load what was saved: {loaded}")
+
+
+def _local_shards(api: Any) -> Any:
+    """The implementation's ``LocalShards``: a caller builds its shards with it."""
+    if hasattr(api, "LocalShards"):
+        return api.LocalShards
+    from refdcp.planning import LocalShards  # TODO: until refdcp.reference exports its own
+
+    return LocalShards
+
+
+def learner_path(impl: str = "reference", asynchronous: bool = False) -> dict[Path, int]:
+    """Every refdcp module that one save at 4 ranks (``async_save`` when ``asynchronous``)
+    and one load at 3 ran, the caller's construction of its state included, with its code
+    lines."""
     import refdcp
     import refdcp.reference
     from refdcp.comm import FakeWorld
@@ -102,26 +138,27 @@ def learner_path(impl: str = "reference") -> dict[Path, int]:
     root = Path(refdcp.__file__).parent
     with tempfile.TemporaryDirectory() as path:
 
-        def save(states: list[dict[str, Any]]) -> Callable[[], object]:
-            return lambda: FakeWorld(4).run(
-                lambda c: api.save(states[c.rank], checkpoint_id=path, comm=c)
-            )
+        def save_one(c: Any) -> object:
+            state = _model(api, c.rank, 4, False)
+            if asynchronous:
+                return api.async_save(state, checkpoint_id=path, comm=c).result()
+            return api.save(state, checkpoint_id=path, comm=c)
 
-        def load(states: list[dict[str, Any]]) -> Callable[[], object]:
-            return lambda: FakeWorld(3).run(
-                lambda c: api.load(states[c.rank], checkpoint_id=path, comm=c)
-            )
+        def load_one(c: Any) -> object:
+            state = _model(api, c.rank, 3, True)
+            api.load(state, checkpoint_id=path, comm=c)
+            return state
 
-        def saving() -> list[dict[str, Any]]:
-            return [_model(r, 4, False) for r in range(4)]
+        def save() -> list[Any]:
+            return FakeWorld(4).run(save_one)
 
-        def loading() -> list[dict[str, Any]]:
-            return [_model(r, 3, True) for r in range(3)]
+        def load() -> list[Any]:
+            return FakeWorld(3).run(load_one)
 
-        save(saving())()  # once untraced: imports and caches are not the path
-        load(loading())()
-        # the states are built before each trace starts: building them is not the path
-        files = _traced(save(saving()), root) | _traced(load(loading()), root)
+        save()  # once untraced: imports and caches are not the path
+        for rank, loaded in enumerate(load()):  # ... and a check that it loads what it saved
+            _check_loaded(loaded, _model(api, rank, 3, False))
+        files = _traced(save, root) | _traced(load, root)
     return {f.relative_to(root): code_lines(f) for f in sorted(files)}
 
 
@@ -154,15 +191,29 @@ def main(argv: list[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--fast", action="store_true", help="measure refdcp.save/load")
     which.add_argument("--torch", action="store_true", help="measure torch's dcp.save/load")
+    parser.add_argument(
+        "--async", dest="asynchronous", action="store_true", help="measure async_save, not save"
+    )
     args = parser.parse_args(argv)
     import warnings
 
     warnings.simplefilter("ignore")
-    path = _torch_path() if args.torch else learner_path("fast" if args.fast else "reference")
+    impl = "fast" if args.fast else "reference"
+    path = _torch_path() if args.torch else learner_path(impl, args.asynchronous)
     for module, n in path.items():
         print(f"{n:6d}  {module}")
     print(f"{len(path)} modules, {sum(path.values())} code lines")
+    if not (args.torch or args.asynchronous) and hasattr(_api(impl), "async_save"):
+        with_async = learner_path(impl, asynchronous=True)
+        print(f"with async_save: {len(with_async)} modules, {sum(with_async.values())} code lines")
     return 0
+
+
+def _api(impl: str) -> Any:
+    import refdcp
+    import refdcp.reference
+
+    return refdcp.reference if impl == "reference" else refdcp
 
 
 if __name__ == "__main__":
