@@ -24,6 +24,7 @@ SECTIONS = (
     "## 5. Resharding: save at 4 ranks, load at 2",
     "## 6. Async staging",
     "## 7. DTensors on a real process group",
+    "## 8. The reference: the same save and load, written to be read",
 )
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
@@ -107,6 +108,16 @@ def test_tutorial_has_every_section_with_asserting_code() -> None:
     code = "\n".join(c for _, c in python_blocks(text))
     assert "FakeWorld(4)" in code and "LocalShards(" in code
     assert "refdcp.async_save(" in code and "fault=" in code and "FakeWorld(2)" in code
+
+
+@pytest.mark.spec("TUT-2")
+def test_the_reference_section_saves_at_4_loads_at_3_and_reads_the_files() -> None:
+    body = _sections(_text())["## 8. The reference: the same save and load, written to be read"]
+    code = "\n".join(c for _, c in python_blocks(body))
+    assert "refdcp.reference.save(" in code and "refdcp.reference.load(" in code
+    assert "FakeWorld(4).run(reference_save)" in code and "FakeWorld(3).run(reference_load)" in code
+    # the files themselves: each item's bytes read at its offset and loaded with torch.load
+    assert "f.seek(info.offset)" in code and "torch.load(io.BytesIO(blob)" in code
 
 
 @pytest.mark.spec("TUT-3")

@@ -88,7 +88,14 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--reference",
         action="store_true",
-        help="plan with refdcp.reference's readable planners (the same plans, TRACE-14)",
+        help="run refdcp.reference's save and load on a real directory: its planners, "
+        "writer and reader, and the files they make (TRACE-14)",
+    )
+    tr.add_argument(
+        "--dir",
+        default=None,
+        help="with --reference: a new or empty directory to save into, kept afterwards "
+        "(default: a temporary directory, removed)",
     )
 
     conf = sub.add_parser("conformance", help="run the storage conformance suite on a backend")
@@ -200,6 +207,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             dedup=not args.no_dedup,
             sharding=args.sharding,
             reference=args.reference,
+            directory=args.dir,
         )
     if args.command == "conformance":
         from conformance.cli import conformance_command
