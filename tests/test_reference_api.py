@@ -362,19 +362,8 @@ def _same(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-#: refdcp.load(atomic=True) refuses a LocalShards destination at set_up: driver/rollback.py
-#: copies it with ``detach()``, which LocalShards does not support (a TypeError)
-FAST_ATOMIC_LOCAL_SHARDS = "refdcp's atomic snapshot cannot copy a LocalShards (driver/rollback.py)"
-
-
 @pytest.mark.spec("REF-1", "LOAD-21", "LOAD-6")
-@pytest.mark.parametrize(
-    "name",
-    [
-        "reference",
-        pytest.param("fast", marks=pytest.mark.xfail(strict=True, reason=FAST_ATOMIC_LOCAL_SHARDS)),
-    ],
-)
+@pytest.mark.parametrize("name", ["reference", "fast"])
 @given(world=st.integers(1, 3), target=st.integers(0, 2), at=st.integers(0, 10))
 def test_an_atomic_load_that_fails_leaves_everything_as_it_was(
     name: str, world: int, target: int, at: int

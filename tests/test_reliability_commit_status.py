@@ -213,3 +213,34 @@ def test_finish_raising_after_commit(
     assert _loads(tmp_path, impl)
     again = CheckpointError.__reduce__(errors[2])
     assert again[1][2] is expected  # survives pickling (ERR-3)
+
+
+@pytest.mark.spec("STORE-33", "STORE-31", "PROTO-13")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_fault_after_the_commit_never_removes_a_committed_file_of_the_reference_writer(
+    tmp_path: Path, impl: ModuleType, rank: int
+) -> None:
+    """A rank whose save fails after the commit (here: after its last action) cleans up with
+    the writer's abort_save; with the reference writer, under either save, the files the
+    committed .metadata names stay, and the checkpoint loads."""
+    from refdcp.reference import ReferenceWriter
+
+    def fault(index: int, action: Any) -> None:
+        if action.kind is Kind.RETURN:
+            raise RuntimeError("after the last action")
+
+    def run(comm: FakeComm) -> Any:
+        hook = fault if comm.rank == rank else None
+        writer = ReferenceWriter(tmp_path)
+        try:
+            return impl.save(_state(comm.rank), storage_writer=writer, comm=comm, fault=hook)
+        except CheckpointError as exc:
+            return exc
+
+    out = FakeWorld(2).run(run)
+    assert isinstance(out[rank], CheckpointError) and out[rank].committed is True
+    assert not isinstance(out[1 - rank], BaseException)
+    for loader in (impl, refdcp):
+        dest = {"w": torch.zeros(4), "own0": torch.zeros(3), "own1": torch.zeros(3), "step": 0}
+        loader.load(dest, checkpoint_id=str(tmp_path), no_dist=True)  # every rank's file
+        assert dest["step"] == 5 and torch.equal(dest["own1"], torch.arange(3.0))

@@ -25,6 +25,10 @@ __all__ = ["Snapshot"]
 def _storage_tensors(value: Any) -> list[torch.Tensor]:
     """The tensors whose memory a load writes for ``value`` (empty for non-tensors)."""
     if isinstance(value, torch.Tensor):
+        if isinstance(getattr(type(value), "chunks", None), property):
+            # a LocalShards (refdcp's or the reference's): a container of its chunk tensors
+            chunks: list[tuple[Any, torch.Tensor]] = value.chunks  # type: ignore[attr-defined]
+            return [t for _, t in chunks]
         local = getattr(value, "_local_tensor", None)  # DTensor: its shard on this rank
         return [local if isinstance(local, torch.Tensor) else value]
     shards = getattr(value, "local_shards", None)

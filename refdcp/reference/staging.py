@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from refdcp.planning.errors import UnloadableValueError
 from refdcp.planning.local_shards import LocalShards
 
+from .local_shards import LocalShards as ReferenceLocalShards
+
 __all__ = ["CpuStager", "ReferenceStager", "release_staging_buffers"]
 
 #: The leaves ``type_check=True`` accepts besides tensors (STAGE-10).
@@ -92,12 +94,12 @@ def _copy(
         if hasattr(value, "_fields"):  # a namedtuple
             return type(value)(*items)
         return tuple(items)
-    if isinstance(value, LocalShards):
+    if isinstance(value, (LocalShards, ReferenceLocalShards)):  # either class, rebuilt as itself
         chunks = [
             (offsets, _copy(chunk, (*path, ("chunk", i)), copies, memo))
             for i, (offsets, chunk) in enumerate(value.chunks)
         ]
-        return LocalShards(value.shape, chunks, dtype=value.dtype)
+        return type(value)(value.shape, chunks, dtype=value.dtype)
     if isinstance(value, DTensor) and _is_plain_tensor(value._local_tensor):
         local = _copy(value._local_tensor, (*path, "local"), copies, memo)
         return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
@@ -141,7 +143,7 @@ def _check_leaves(value: Any, path: tuple[Any, ...]) -> None:
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             _check_leaves(item, (*path, i))
-    elif isinstance(value, LocalShards):
+    elif isinstance(value, (LocalShards, ReferenceLocalShards)):
         for i, (_, chunk) in enumerate(value.chunks):
             _check_leaves(chunk, (*path, ("chunk", i)))
     elif isinstance(value, DTensor) and _is_plain_tensor(value._local_tensor):

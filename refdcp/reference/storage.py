@@ -141,10 +141,25 @@ class ReferenceWriter(StorageWriter):
             _fsync_dir(self.path)
 
     def abort_save(self) -> None:
-        """A failed save removes the files this rank created (STORE-31)."""
+        """A failed save removes the files this rank created (STORE-31), but never one the
+        committed ``.metadata`` names: a peer cannot tell whether the commit happened (STORE-33)."""
+        committed = _committed_files(self.path)
         for file in self.written:
-            file.unlink(missing_ok=True)
+            if committed is not None and file.name not in committed:
+                file.unlink(missing_ok=True)
         self.written = []
+
+
+def _committed_files(path: Path) -> set[str] | None:
+    """The data files the committed ``.metadata`` at ``path`` names (none when there is no
+    checkpoint); None when it cannot be read, so nothing is removed (STORE-33)."""
+    if not (path / METADATA).exists():
+        return set()
+    try:
+        metadata = ReferenceReader(path).read_metadata()
+    except Exception:
+        return None
+    return {info.relative_path for info in (metadata.storage_data or {}).values()}
 
 
 def _resolved(item: WriteItem, planner: SavePlanner) -> Any:
