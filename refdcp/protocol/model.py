@@ -43,13 +43,49 @@ from refdcp.protocol.machine import (
     State,
     Table,
 )
-from refdcp.protocol.names import Phase, Step
-from refdcp.protocol.outcomes import comm_failure, delivered, finish_failed, mark, outgoing
+from refdcp.protocol.names import Phase, Slot, Step
+from refdcp.protocol.outcomes import (
+    comm_failure,
+    delivered,
+    finish_failed,
+    mark,
+    needs_payload,
+    outgoing,
+)
 
 __all__ = ["FAULT_KINDS", "Config", "ModelFault", "Result", "Violation", "check", "explore"]
 
+#: The invariants a violation names (spec/protocol.md).
+INVARIANTS = {
+    "MODEL-2": "MODEL-2 agreement",
+    "MODEL-3": "MODEL-3 commit safety",
+    "MODEL-4": "MODEL-4 liveness",
+    "MODEL-5": "MODEL-5 no missing row or slot",
+}
+
 #: Every kind of fault the checker places (MODEL-1).
 FAULT_KINDS = frozenset({"raise", "lose", "partial", "commit", "after_last"})
+
+
+#: What each local step reads and fills (the step bodies' contract, PROTO-10, PROTO-11):
+#: (table, step) -> (slots it needs, slots it fills).
+STEP_SLOTS: dict[tuple[str, Step], tuple[frozenset[Slot], frozenset[Slot]]] = {
+    (t, step): (frozenset(needs), frozenset(makes))
+    for t, step, needs, makes in (
+        ("save", Step.SET_UP, (), (Slot.FLAT_STATE_DICT,)),
+        ("save", Step.LOCAL_PLAN, (Slot.FLAT_STATE_DICT,), (Slot.LOCAL_PLAN,)),
+        ("save", Step.GLOBAL_PLAN, (Slot.ALL_PLANS,), (Slot.GLOBAL_PLANS, Slot.METADATA)),
+        ("save", Step.FINISH_PLAN, (Slot.CENTRAL_PLAN,), (Slot.FINAL_PLAN,)),
+        ("save", Step.WRITE, (Slot.FINAL_PLAN,), (Slot.WRITE_RESULTS,)),
+        ("save", Step.COMMIT, (Slot.ALL_RESULTS, Slot.METADATA), ()),
+        ("load", Step.SET_UP, (), (Slot.FLAT_STATE_DICT, Slot.METADATA)),
+        ("load", Step.LOCAL_PLAN, (Slot.FLAT_STATE_DICT,), (Slot.LOCAL_PLAN,)),
+        ("load", Step.GLOBAL_PLAN, (Slot.ALL_PLANS,), (Slot.GLOBAL_PLANS,)),
+        ("load", Step.FINISH_PLAN, (Slot.CENTRAL_PLAN,), (Slot.FINAL_PLAN,)),
+        ("load", Step.READ, (Slot.FINAL_PLAN,), (Slot.READ_OUTCOME,)),
+        ("load", Step.APPLY, (Slot.READ_OUTCOMES, Slot.FLAT_STATE_DICT), (Slot.APPLY_OUTCOME,)),
+    )
+}
 
 
 class ModelFault(RuntimeError):
@@ -74,6 +110,8 @@ class _Rank:
     outcome: tuple[Any, ...] | None = None
     via: str = "protocol"  # how it ended: protocol | comm | after_last
     late: bool = False  # its own failure came after its last fan-in collective
+    slots: frozenset[Slot] = frozenset()  # the context slots its steps and collectives filled
+    ran: frozenset[Step] = frozenset()  # the local steps it has run
 
 
 @dataclass(frozen=True)
@@ -143,7 +181,7 @@ def _rank_key(rk: _Rank) -> Any:
     return (
         s.phase, s.coordinator, _failure_key(s.failure), _report_key(s.error), s.committed,
         a.kind, a.phase, a.step, _failure_key(a.failure), _report_key(a.error),
-        rk.status, rk.outcome, rk.via,
+        rk.status, rk.outcome, rk.via, rk.slots, rk.ran,
     )  # fmt: skip
 
 
@@ -169,15 +207,27 @@ def _outcome(report: FailureReport) -> tuple[Any, ...]:
 
 
 def _feed(
-    cfg: Config, w: _World, r: int, event: Event, via: str = "protocol"
+    cfg: Config,
+    w: _World,
+    r: int,
+    event: Event,
+    via: str = "protocol",
+    fill: frozenset[Slot] = frozenset(),
+    ran: Step | None = None,
 ) -> tuple[_World, str]:
-    """Rank ``r`` takes ``event``; its next action is done at once if terminal."""
+    """Rank ``r`` takes ``event`` (its step or collective filled ``fill``); its next
+    action is done at once if terminal."""
     rk = w.ranks[r]
     row = cfg.table.lookup(rk.state.phase, event.on, rk.state.coordinator)
     state, action = cfg.table.transition(rk.state, event)
     label = f"{rk.state.phase} --{event.on.value}--> {state.phase} [{row.req}]"
-    new = replace(rk, state=state, action=action)
+    new = replace(
+        rk, state=state, action=action, slots=rk.slots | fill,
+        ran=rk.ran | ({ran} if ran is not None else set()),
+    )  # fmt: skip
     via = "after_last" if rk.late else via
+    if action.kind is Kind.RETURN and action.send is not None and action.send not in new.slots:
+        return w, f"VIOLATION MODEL-5|rank {r} returns slot {action.send!s}, which nothing filled"
     if action.kind is Kind.RETURN:
         new = replace(new, status="ended", outcome=("ok",), via=via)
     elif action.kind is Kind.RAISE:
@@ -195,19 +245,27 @@ def _local(cfg: Config, w: _World, r: int) -> Iterator[tuple[_World, str]]:
     rk = w.ranks[r]
     step = rk.action.step
     assert step is not None
+    needs, makes = STEP_SLOTS.get((cfg.table.name, step), (frozenset(), frozenset()))
+    if step in rk.ran:
+        yield w, f"VIOLATION MODEL-5|rank {r} runs {step!s} a second time"
+        return
+    if not needs <= rk.slots:
+        missing = sorted(map(str, needs - rk.slots))
+        yield w, f"VIOLATION MODEL-5|rank {r} runs {step!s} without {missing} (PROTO-11)"
+        return
     if step is Step.COMMIT:
         if w.finish_calls >= 1:
-            yield w, "VIOLATION finish called twice"
+            yield w, "VIOLATION MODEL-3|finish called twice"
             return
         calls = w.finish_calls + 1
         if cfg.world > len(w.wrote):
             yield (
                 w,
-                f"VIOLATION finish called before every write returned (wrote {sorted(w.wrote)})",
+                f"VIOLATION MODEL-3|finish called before every write returned (wrote {sorted(w.wrote)})",
             )
             return
         ok = replace(w, finish_calls=calls, durable=True)
-        yield _feed(cfg, ok, r, Event(On.OK))
+        yield _feed(cfg, ok, r, Event(On.OK), ran=step)
         if w.faults < cfg.max_faults and "commit" in cfg.kinds:
             for declared, durable in ((False, False), (True, True), (None, True), (None, False)):
                 exc = ModelFault("finish raised")
@@ -218,18 +276,18 @@ def _local(cfg: Config, w: _World, r: int) -> Iterator[tuple[_World, str]]:
                     w, finish_calls=calls, durable=durable, faults=w.faults + 1,
                     undeclared=w.undeclared or declared is None,
                 )  # fmt: skip
-                nw, label = _feed(cfg, bad, r, _err(r, str(step), exc))
+                nw, label = _feed(cfg, bad, r, _err(r, str(step), exc), ran=step)
                 yield nw, f"{label} (finish raised, declared {declared}, durable {durable})"
         return
     if step is Step.APPLY and len(w.read) < cfg.world:
-        yield w, f"VIOLATION apply before every read returned (read {sorted(w.read)})"
+        yield w, f"VIOLATION MODEL-3|apply before every read returned (read {sorted(w.read)})"
         return
     done = w
     if step is Step.WRITE:
         done = replace(w, wrote=w.wrote | {r})
     elif step is Step.READ:
         done = replace(w, read=w.read | {r})
-    yield _feed(cfg, done, r, Event(On.OK))
+    yield _feed(cfg, done, r, Event(On.OK), fill=makes, ran=step)
 
 
 def _rank_moves(cfg: Config, w: _World, r: int) -> Iterator[tuple[_World, str]]:
@@ -286,17 +344,19 @@ _UNHEARD: dict[tuple[str, bool], tuple[Table, frozenset[Phase]]] = {}
 
 
 def _after_last(cfg: Config, w: _World, r: int) -> Iterator[tuple[_World, str]]:
-    """A fault after rank ``r``'s last action: ``done --err--> failed`` (PROTO-13)."""
+    """A fault before rank ``r``'s terminal action: after its last action (``done --err-->
+    failed``), or on a rank about to raise the agreed failures (``failed --err--> failed``,
+    its own failure joins them) (PROTO-7, PROTO-13)."""
     rk = w.ranks[r]
     if not (
-        rk.status == "ended" and rk.outcome == ("ok",) and "after_last" in cfg.kinds
-        and w.faults < cfg.max_faults
+        rk.status == "ended" and rk.via == "protocol" and rk.state.failure is None
+        and "after_last" in cfg.kinds and w.faults < cfg.max_faults
     ):  # fmt: skip
         return
     back = replace(rk, status="run")
     w2 = replace(w, ranks=_put(w, r, back), faults=w.faults + 1)
     nw, label = _feed(cfg, w2, r, _err(r, str(rk.state.phase)), via="after_last")
-    yield nw, f"{label} (fault after the last action)"
+    yield nw, f"{label} (fault before the terminal action)"
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -315,6 +375,12 @@ def _collective(cfg: Config, w: _World) -> Iterator[tuple[_World, list[tuple[int
     if not waiting or any(w.ranks[r].action.kind not in COLLECTIVES for r in waiting):
         return
     missing = tuple(r for r, rk in enumerate(w.ranks) if rk.status != "run")
+    skipped = [r for r in missing if w.ranks[r].via != "comm" and w.ranks[r].status == "ended"]
+    if skipped:  # no fault made it leave: it skipped a collective its peers joined (PROTO-5)
+        where = w.ranks[waiting[0]].action.phase
+        text = f"VIOLATION MODEL-4|rank {skipped[0]} ended while rank {waiting[0]} waits at {where}"
+        yield w, [(-1, text)]
+        return
     if missing:  # a rank that left never joins: the waiting ranks time out (COMM-60)
         exc: CommError = CommAborted(f"rank(s) {list(missing)} did not join")
         exc.ranks = missing
@@ -328,7 +394,12 @@ def _collective(cfg: Config, w: _World) -> Iterator[tuple[_World, list[tuple[int
     if len(shapes) > 1:
         yield (
             w,
-            [(-1, f"VIOLATION ranks wait in different collectives: {sorted(map(str, shapes))}")],
+            [
+                (
+                    -1,
+                    f"VIOLATION MODEL-4|ranks wait in different collectives: {sorted(map(str, shapes))}",
+                )
+            ],
         )
         return
     yield _deliver(cfg, w, frozenset())
@@ -348,6 +419,11 @@ def _deliver(
     payload = [("plan", r) for r in range(world)] if kind is Kind.SCATTER else ("payload", 0)
     sent = [outgoing(a, world, payload if r == 0 else ("payload", r)) for r, a in enumerate(acts)]
     labels: list[tuple[int, str]] = []
+    for r, a in enumerate(acts):
+        sends = kind in FAN_IN or w.ranks[r].state.coordinator
+        if sends and needs_payload(a) and a.send is not None and a.send not in w.ranks[r].slots:
+            text = f"VIOLATION MODEL-5|rank {r} sends slot {a.send!s}, which nothing filled"
+            return w, [(r, text)]
     for r in range(world):
         if r in failing:
             w, text = _comm_end(cfg, w, r, CommTimeout("timed out on this rank only"))
@@ -362,7 +438,11 @@ def _deliver(
             root = sent[0]
             received = root[r] if kind is Kind.SCATTER else root
         event, _ = delivered(w.ranks[r].state, acts[r], received, receives)
-        w, text = _feed(cfg, w, r, event)
+        recv = acts[r].recv
+        got: frozenset[Slot] = frozenset()
+        if event.on is On.GOT_OK and recv is not None:
+            got = frozenset({recv})
+        w, text = _feed(cfg, w, r, event, fill=got)
         labels.append((r, text))
     return w, labels
 
@@ -438,7 +518,7 @@ def explore(cfg: Config, *, stop_at_first: bool = True) -> Result:
     try:
         start = _start(cfg)
     except _ProtocolError as exc:
-        result.violations.append(Violation("MODEL-5 no missing row", str(exc), ()))
+        result.violations.append(Violation(INVARIANTS["MODEL-5"], str(exc), ()))
         return result
     parents: dict[Any, tuple[Any, tuple[tuple[int, str], ...]] | None] = {_key(start): None}
     queue: deque[_World] = deque([start])
@@ -466,19 +546,15 @@ def explore(cfg: Config, *, stop_at_first: bool = True) -> Result:
         try:
             succ = list(_successors(cfg, w))
         except _ProtocolError as exc:
-            if fail("MODEL-5 no missing row", str(exc), key, []):
+            if fail(INVARIANTS["MODEL-5"], str(exc), key, []):
                 break
             continue
         stop = False
         for nw, labels in succ:
-            bad = [t for _, t in labels if t.startswith("VIOLATION")]
+            bad = [t for _, t in labels if t.startswith("VIOLATION ")]
             if bad:
-                inv = (
-                    "MODEL-4 liveness"
-                    if "different collectives" in bad[0]
-                    else "MODEL-3 commit safety"
-                )
-                if fail(inv, bad[0][10:], key, labels):
+                code, _, detail = bad[0][len("VIOLATION ") :].partition("|")
+                if fail(INVARIANTS[code], detail, key, labels):
                     stop = True
                     break
                 continue

@@ -15,7 +15,7 @@ import time
 
 from refdcp.protocol import LOAD, SAVE, Table
 from refdcp.protocol.model import FAULT_KINDS, Config, explore
-from refdcp.protocol.mutants import EQUIVALENT, judge, mutants
+from refdcp.protocol.mutants import equivalence, judge, mutants
 
 __all__ = ["main", "model_check_command", "mutant_command"]
 
@@ -58,8 +58,7 @@ def mutant_command(tables: list[str]) -> int:
                 killed += 1
                 continue
             row = table.rows[m.index]
-            reason = EQUIVALENT.get((m.table, m.index, m.change))
-            if reason is not None:
+            if equivalence(table, m) is not None:
                 equivalent += 1
                 continue
             unexplained += 1
