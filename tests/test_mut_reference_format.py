@@ -90,7 +90,7 @@ class _Sized:
         raise LookupError("read past the size check")
 
 
-@pytest.mark.spec("FMT-10", "REF-1")
+@pytest.mark.spec("FMT-10", "REF-1", "REF-20")
 def test_the_metadata_size_cap_is_one_gib() -> None:
     with pytest.raises(UnsafeMetadataError, match="size limit"):
         fmt.load_metadata(_Sized((1 << 30) + 1), ".metadata")  # type: ignore[arg-type]

@@ -177,7 +177,9 @@ def _run_load(impl: ModuleType, world: int, path: str, mode: str, at: int, targe
     return FakeWorld(world, timeout=20).run(one, return_exceptions=True)
 
 
-@pytest.mark.spec("REF-1", "ERR-1", "ERR-10", "PROTO-7", "SAVE-9", "SAVE-15", "COMM-5", "COMM-61")
+@pytest.mark.spec(
+    "REF-1", "ERR-1", "ERR-10", "PROTO-7", "SAVE-9", "SAVE-15", "COMM-5", "COMM-61", "REF-18"
+)
 @given(
     world=st.integers(1, 4),
     target=st.integers(0, 3),
@@ -242,7 +244,7 @@ def _records(impl: ModuleType, path: str, save_world: int, load_world: int) -> l
     return [[(r.rank, r.index, r.phase, r.kind, r.step, r.outcome) for r in run] for run in runs]
 
 
-@pytest.mark.spec("REF-1", "PROTO-2")
+@pytest.mark.spec("REF-1", "PROTO-2", "REF-18")
 @pytest.mark.parametrize("save_world,load_world", [(1, 1), (4, 3), (2, 4)])
 def test_the_observer_sees_the_same_actions(save_world: int, load_world: int) -> None:
     got = {}
@@ -362,7 +364,7 @@ def _same(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
 
 
-@pytest.mark.spec("REF-1", "LOAD-21", "LOAD-6")
+@pytest.mark.spec("REF-1", "LOAD-21", "LOAD-6", "REF-20")
 @pytest.mark.parametrize("name", ["reference", "fast"])
 @given(world=st.integers(1, 3), target=st.integers(0, 2), at=st.integers(0, 10))
 def test_an_atomic_load_that_fails_leaves_everything_as_it_was(

@@ -23,7 +23,7 @@ REFERENCE = Path(refdcp.reference.__file__).parent
 SPEC_ID = re.compile(r"\b[A-Z]+-\d+\b")
 
 
-@pytest.mark.spec("REF-5")
+@pytest.mark.spec("REF-5", "REF-19")
 def test_the_learner_path_fits_its_budget() -> None:
     path = learner_path("reference")
     assert any(p.parts[0] == "reference" for p in path)  # it measured the reference path

@@ -25,6 +25,7 @@ SECTIONS = (
     "## 6. Async staging",
     "## 7. DTensors on a real process group",
     "## 8. The reference: the same save and load, written to be read",
+    "## 9. Model-checking the protocol",
 )
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
