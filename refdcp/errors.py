@@ -15,6 +15,7 @@ that raise it. The whole hierarchy (module of definition in brackets)::
     ├── CheckpointError (+ torch CheckpointException)   a save/load failed; raised on every rank
     ├── RuntimeError
     │   ├── InjectedFault                               a fault the simulator plants (a user's error)
+    │   ├── ModelFault                                  [errors_core] a fault the model checker places (MODEL-1)
     │   ├── SpawnError                                  spawned ranks failed, died or timed out (COMM-22)
     │   └── MetadataLoadError                           `refdcp inspect` cannot load .metadata (TOOL-7)
     └── RefdcpError                                     [errors_core] base of refdcp's own errors
@@ -32,6 +33,7 @@ that raise it. The whole hierarchy (module of definition in brackets)::
         │   └── PeerLost                                a rank did not join a collective (COMM-61)
         ├── RankFailures                                ranks of FakeWorld.run raised (COMM-34)
         ├── Deadlock                                    simulated ranks would wait forever
+        ├── NotProvidedError (+ AttributeError)         a torch DCP name refdcp does not provide (API-27)
         ├── StagingTimeoutError (+ TimeoutError)        no staging buffer became free (STAGE-5)
         ├── StateDictError (+ RuntimeError)             (SD-4)
         ├── ConvertError                                a conversion cannot be faithful (TOOL-21)
@@ -72,6 +74,7 @@ from refdcp.errors_core import (
     CommTimeout,
     Failure,
     FailureReport,
+    ModelFault,
     PeerLost,
     ProblemsError,
     ProtocolError,
@@ -92,6 +95,8 @@ __all__ = [
     "FailureReport",
     "InjectedFault",
     "MetadataLoadError",
+    "ModelFault",
+    "NotProvidedError",
     "PeerLost",
     "ProblemsError",
     "ProtocolError",
@@ -172,6 +177,10 @@ class RankFailures(RefdcpError):
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             parts.append(f"--- rank {rank}: {type(exc).__name__}: {exc}\n{text.rstrip()}")
         super().__init__("\n".join(parts))
+
+
+class NotProvidedError(RefdcpError, AttributeError):
+    """A public name of torch's DCP that refdcp does not provide; says what to use (API-27)."""
 
 
 class InjectedFault(RuntimeError):

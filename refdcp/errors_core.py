@@ -19,6 +19,7 @@ __all__ = [
     "CollectiveMismatch",
     "Failure",
     "FailureReport",
+    "ModelFault",
     "PeerLost",
     "ProblemsError",
     "ProtocolError",
@@ -82,6 +83,10 @@ class CommTimeout(CommError, TimeoutError):
 
 class CommAborted(CommError):
     """A peer left the world (raised, crashed) while this rank waited in a collective (COMM-6)."""
+
+
+class ModelFault(RuntimeError):
+    """The exception a fault placed by the model checker raises (MODEL-1)."""
 
 
 class PeerLost(CommError):

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from refdcp.errors import NotProvidedError
+
 __all__ = [
     "Absent",
     "NotProvidedError",
@@ -44,10 +46,6 @@ __all__ = [
 ]
 
 TORCH_PKG = "torch.distributed.checkpoint"
-
-
-class NotProvidedError(AttributeError):
-    """A public torch DCP name that refdcp does not provide (API-27)."""
 
 
 @dataclass(frozen=True)

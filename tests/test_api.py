@@ -159,6 +159,10 @@ def test_checkpoint_id_selects_storage_and_is_required(impl: ModuleType, tmp_pat
     writer = FileSystemWriter(str(tmp_path / "unused"))
     impl.save({"a": torch.arange(3)}, checkpoint_id=str(other), storage_writer=writer, no_dist=True)
     assert (other / ".metadata").exists()
+    if impl.__name__ == "refdcp.reference":  # a directory only (REF-17's table)
+        with pytest.raises(ValueError, match="in a directory"):
+            impl.save({"a": torch.ones(1)}, checkpoint_id="nosuchscheme://x/y", no_dist=True)
+        return
     with pytest.raises(CheckpointError, match="cannot choose a storage"):
         impl.save({"a": torch.ones(1)}, checkpoint_id="nosuchscheme://x/y", no_dist=True)
 

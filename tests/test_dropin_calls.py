@@ -20,12 +20,11 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 @pytest.mark.spec("API-9")
-def test_save_without_collectives_writes_per_rank_metadata(
-    impl: ModuleType, tmp_path: Path
-) -> None:
+def test_save_without_collectives_writes_per_rank_metadata(tmp_path: Path) -> None:
+    # single path: the reference refuses use_collectives=False (REF-17)
     def rank(comm: Any) -> Any:
         sd = {"w": torch.full((2,), float(comm.rank))}
-        return impl.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
+        return refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
 
     mds = FakeWorld(3).run(rank)
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -41,25 +40,25 @@ def test_save_without_collectives_writes_per_rank_metadata(
 
 
 @pytest.mark.spec("API-9")
-def test_save_without_collectives_matches_torchs_layout(impl: ModuleType, tmp_path: Path) -> None:
+def test_save_without_collectives_matches_torchs_layout(tmp_path: Path) -> None:
+    # single path: the reference refuses use_collectives=False (REF-17)
     sd = {"w": torch.arange(4.0)}
     dcp.save(sd, checkpoint_id=tmp_path / "t", no_dist=True, use_collectives=False)
-    impl.save(sd, checkpoint_id=tmp_path / "r", no_dist=True, use_collectives=False)
+    refdcp.save(sd, checkpoint_id=tmp_path / "r", no_dist=True, use_collectives=False)
     t = sorted(p.name for p in (tmp_path / "t").iterdir() if p.name.endswith("metadata"))
     r = sorted(p.name for p in (tmp_path / "r").iterdir() if p.name.endswith("metadata"))
     assert t == r == ["__0.metadata"]
 
 
 @pytest.mark.spec("API-9", "ERR-1")
-def test_save_without_collectives_failure_reaches_every_rank(
-    impl: ModuleType, tmp_path: Path
-) -> None:
+def test_save_without_collectives_failure_reaches_every_rank(tmp_path: Path) -> None:
+    # single path: the reference refuses use_collectives=False (REF-17)
     def rank(comm: Any) -> str:
         sd: dict[str, Any] = {"w": torch.ones(2)}
         if comm.rank == 1:
             sd["bad"] = lambda: None
         with pytest.raises(CheckpointError) as err:
-            impl.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
+            refdcp.save(sd, checkpoint_id=tmp_path, comm=comm, use_collectives=False)
         return str(sorted(err.value.rank_failures))
 
     assert FakeWorld(2).run(rank) == ["[1]", "[1]"]

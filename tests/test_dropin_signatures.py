@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -101,10 +102,29 @@ def _same_default(a: Any, b: Any) -> bool:
     return bool(a is b or a == b)
 
 
-@pytest.mark.spec("API-10")
-@pytest.mark.parametrize("name,theirs", DROP_INS, ids=[d[0] for d in DROP_INS])
-def test_drop_in_takes_torchs_parameters(impl: ModuleType, name: str, theirs: Any) -> None:
+#: the reference's own classes keep their own keyword options; their methods take torch's
+#: parameters (REF-17's table; test_abc_methods_take_torchs_parameters checks them)
+REFERENCE_OWN_OPTIONS = {
+    "DefaultSavePlanner",
+    "DefaultLoadPlanner",
+    "FileSystemWriter",
+    "FileSystemReader",
+}
+SIGNATURE_CASES = [
+    pytest.param(which, name, theirs, id=f"{which}-{name}")
+    for which in ("refdcp", "reference")
+    for name, theirs in DROP_INS
+    if not (which == "reference" and name in REFERENCE_OWN_OPTIONS)
+]
+
+
+@pytest.mark.spec("API-10", "REF-17")
+@pytest.mark.parametrize("which,name,theirs", SIGNATURE_CASES)
+def test_drop_in_takes_torchs_parameters(which: str, name: str, theirs: Any) -> None:
+    impl = refdcp if which == "refdcp" else refdcp.reference
     assert signature_problems(name, getattr(impl, name), theirs) == []
+    spec = (Path(refdcp.__file__).parents[1] / "spec" / "reference.md").read_text(encoding="utf-8")
+    assert all(f"`{n}`" in spec for n in REFERENCE_OWN_OPTIONS)  # the difference is stated
 
 
 @pytest.mark.spec("API-10")

@@ -20,7 +20,13 @@ import refdcp.errors as errors
 
 ROOT = Path(refdcp.__file__).resolve().parent
 HOMES = {"errors.py", "errors_core.py"}
-NOT_REFDCP_ERRORS = {"CheckpointError", "InjectedFault", "SpawnError", "MetadataLoadError"}
+NOT_REFDCP_ERRORS = {
+    "CheckpointError",
+    "InjectedFault",
+    "ModelFault",
+    "SpawnError",
+    "MetadataLoadError",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -46,7 +52,10 @@ def exception_classes_in(tree: ast.Module, namespace: dict[str, object]) -> list
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             for base in node.bases:
-                value = eval(compile(ast.Expression(base), "<base>", "eval"), dict(namespace))
+                try:
+                    value = eval(compile(ast.Expression(base), "<base>", "eval"), dict(namespace))
+                except NameError:  # a base chosen at run time (a local variable): not static
+                    continue
                 if inspect.isclass(value) and issubclass(value, BaseException):
                     found.append((node.name, value))
                     break

@@ -76,6 +76,8 @@ ALLOWED = {
     "tools/prose_check.py:*:read_text": "the repository's README, docs/ and spec/",
     "tools/life_of_a_save.py:*:read_text": "the repository's docs/life-of-a-save.md",
     "tools/life_of_a_save.py:*:write_text": "the repository's docs/life-of-a-save.md",
+    "tools/differences.py:*:read_text": "the repository's spec/ and README.md",
+    "tools/differences.py:*:write_text": "the repository's README.md",
 }
 
 _OPEN_ATTRS = {"open", "fdopen", "read_bytes", "read_text", "write_bytes", "write_text"}

@@ -57,6 +57,10 @@ from refdcp.tools.learner_path import learner_path
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
+SINGLE_PATH = (
+    "differential: each test runs the reference's leaf modules and the fast ones and compares"
+)
+
 
 # --- flattening (REF-14) ---------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from refdcp.storage.errors import CheckpointReplacedError
 from refdcp.tools.verify import verify_command
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is not initialized")
+SINGLE_PATH = "refdcp.verify_checkpoint racing saves that replace and reclaim a checkpoint; the reference never reclaims (REF-8)"
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -89,7 +90,6 @@ def test_damage_is_still_reported_when_nothing_replaced_the_checkpoint(tmp_path:
 _SAVER = """
 import sys, warnings, torch, refdcp
 
-SINGLE_PATH = "refdcp.verify_checkpoint racing saves that replace and reclaim a checkpoint; the reference never reclaims (REF-8)"
 warnings.simplefilter("ignore")
 path, seed = sys.argv[1], 1
 while True:

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field, replace
 from itertools import combinations
 from typing import Any
 
-from refdcp.errors_core import CommAborted, CommError, CommTimeout, Failure, FailureReport
+from refdcp.errors_core import (
+    CommAborted,
+    CommError,
+    CommTimeout,
+    Failure,
+    FailureReport,
+    ModelFault,
+)
 from refdcp.errors_core import ProtocolError as _ProtocolError
 from refdcp.protocol.machine import (
     COLLECTIVES,
@@ -86,10 +93,6 @@ STEP_SLOTS: dict[tuple[str, Step], tuple[frozenset[Slot], frozenset[Slot]]] = {
         ("load", Step.APPLY, (Slot.READ_OUTCOMES, Slot.FLAT_STATE_DICT), (Slot.APPLY_OUTCOME,)),
     )
 }
-
-
-class ModelFault(RuntimeError):
-    """The exception a modelled fault raises."""
 
 
 @dataclass(frozen=True)

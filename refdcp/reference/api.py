@@ -49,7 +49,7 @@ class TorchCallForms:
         if keyword in kwargs:
             raise TypeError(f"{name}() got multiple values for argument {keyword!r}")
         warnings.warn(
-            f"{name}(state_dict, {keyword}): the argument order has changed; "
+            f"{name}(state_dict, {keyword}): the argument order of {name} has changed; "
             f"the second positional argument is taken as {keyword}=, pass it by keyword",
             UserWarning,
             stacklevel=2,
@@ -129,8 +129,9 @@ def save(
     try:
         metadata: Metadata = drive(SAVE, steps, c, fault=fault, observer=observer)
     except CheckpointError as exc:
-        if exc.committed is False and isinstance(writer, ReferenceWriter):
-            writer.abort_save()
+        abort = getattr(writer, "abort_save", None)  # refdcp's clean-up call (PROTO-16)
+        if exc.committed is False and abort is not None:
+            abort()  # nothing was committed: the writer removes what it wrote (STORE-31)
         raise
     return metadata
 

@@ -233,7 +233,16 @@ def _one_stager(stager: AsyncStager | None, async_stager: AsyncStager | None) ->
 
 def _check_thread_executor(executor: Any, async_checkpointer_type: Any) -> None:
     """Accept only the thread executor, as a name or torch's enum member (REF-12, ASYNC-11, API-11)."""
-    for given in (executor, async_checkpointer_type):
+    kinds = [getattr(g, "value", g) for g in (executor, async_checkpointer_type) if g is not None]
+    if len(set(kinds)) > 1:
+        raise ValueError(
+            f"executor={executor!r} and async_checkpointer_type={async_checkpointer_type!r} "
+            "disagree; pass one"
+        )
+    for name, given in (
+        ("executor", executor),
+        ("async_checkpointer_type", async_checkpointer_type),
+    ):
         if given is None:
             continue
         kind = getattr(given, "value", given)  # AsyncCheckpointerType.THREAD.value == "thread"
@@ -243,7 +252,7 @@ def _check_thread_executor(executor: Any, async_checkpointer_type: Any) -> None:
                 "executor='process' is refdcp.async_save's (REF-12)"
             )
         if kind != "thread":
-            raise ValueError(f"executor must be 'thread' or 'process', not {given!r}")
+            raise ValueError(f"{name} must be 'thread' or 'process', not {given!r}")
 
 
 def _background_comm(comm: Communicator | None, process_group: Any, no_dist: bool) -> Communicator:

@@ -120,8 +120,15 @@ class ReferenceSavePlanner(SavePlanner):
             problems.append(f"the FQN {RESERVED_KEY!r} is reserved by refdcp's planner")
         if problems or meta_problems:
             every = problems + meta_problems
-            replicas = all(" differ in value between ranks" in p for p in every)
-            # only values that differ: the error refdcp raises after its writes (DEDUP-17)
+            tensors = {
+                i.index.fqn for p in all_plans for i in p.items if i.type != WriteItemType.BYTE_IO
+            }
+            # only tensor values that differ: the error refdcp raises after its writes (DEDUP-17)
+            replicas = all(
+                " differ in value between ranks" in p
+                and any(p.startswith(f"replicas of {fqn!r}") for fqn in tensors)
+                for p in every
+            )
             raise (ReplicaMismatchError if replicas else PlanValidationError)(every)
         metadata = Metadata(state_dict_metadata=md, planner_data=_merged(all_plans))
         plans = [SavePlan(items, storage_data=p.storage_data) for p, items in zip(all_plans, kept)]

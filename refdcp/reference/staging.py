@@ -130,8 +130,13 @@ def _copy_tensor(tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
 
 def _cannot_stage(path: tuple[Any, ...], value: Any, exc: Exception) -> UnloadableValueError:
     """A copy that failed, naming the value's key path, type and cause (ASYNC-17)."""
+    from .save_planner import unloadable  # what a save would say of the value (SAVE-12)
+
     key = ".".join(map(str, path)) or "<root>"
     why = f"cannot be staged ({type(exc).__name__}: {exc})"
+    cause = unloadable({key: value})
+    if cause:
+        why += "; " + cause[0].split(": ", 1)[1]
     return UnloadableValueError([f"key {key!r}, type {type(value).__name__}: {why}"])
 
 

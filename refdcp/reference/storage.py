@@ -76,6 +76,11 @@ class ReferenceWriter(StorageWriter):
         self.token = secrets.token_hex(4)
         self.written: list[Path] = []
 
+    @property
+    def save_id(self) -> str:
+        """This save's id, recorded in the metadata's ``storage_meta`` (API-10)."""
+        return self.token
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in str(checkpoint_id)
@@ -190,8 +195,10 @@ class ReferenceReader(StorageReader):
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A fresh load: a new ``load_id`` names it in the metadata it reads (API-10)."""
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
+        self.load_id = secrets.token_hex(4)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -205,6 +212,8 @@ class ReferenceReader(StorageReader):
         """``.metadata``, read with the restricted unpickler (FMT-6, FMT-7, INTEG-2)."""
         with self._open(METADATA) as f:
             self.metadata = load_metadata(f.read(), str(self.path / METADATA))
+        if self.metadata.storage_meta is not None:
+            self.metadata.storage_meta.load_id = self.load_id  # as torch's reader does (API-10)
         return self.metadata
 
     def set_up_storage_reader(

@@ -24,6 +24,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -164,6 +165,22 @@ def _create(path: Path, token: str, dir_fd: int | None) -> int | None:
             os.unlink(private, dir_fd=dir_fd)
 
 
+def _drop_own_leftovers(path: Path, fd: int, dir_fd: int | None) -> None:
+    """Unlink the private names :func:`_create` gives a lock file (``<lock>.<12 hex>.new``)
+    that are other names of the open file ``fd``: a save killed before it removed its own
+    (STORE-29, STORE-63). Names of any other form are never touched."""
+    mine = os.fstat(fd)
+    private = re.compile(re.escape(path.name) + r"\.[0-9a-f]{12}\.new")
+    for entry in os.listdir(dir_fd if dir_fd is not None else path.parent):
+        if not private.fullmatch(entry):
+            continue
+        where = at(path.parent, entry, dir_fd)
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(where, dir_fd=dir_fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(where, dir_fd=dir_fd)
+
+
 def _create_excl(name: str | Path, token: str, dir_fd: int | None) -> int | None:
     try:
         fd = open_regular(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
@@ -219,6 +236,9 @@ def acquire_save_lock(
             # stale: the holder died (its flock went with it); take the lock over in place,
             # only when the file has no other name: never write through a hard link (STORE-63)
             links = os.fstat(fd).st_nlink
+            if links != 1:  # a save killed between link and unlink in _create leaves its
+                _drop_own_leftovers(path, fd, dir_fd)  # private name: refdcp's own, removed
+                links = os.fstat(fd).st_nlink
             if links != 1:
                 raise UnsafePathError(
                     f"{path}: the lock file has {links} links (a hard link to another file); "
