@@ -101,6 +101,7 @@ class BoundaryOffByOneWriter(_Transforming):
 
 
 @pytest.mark.spec("CONF-46", "CONF-42")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_a_writer_damaging_only_large_tensors_fails_conf_46_and_the_crossed_cases() -> None:
     results = run_checks(with_writer(DropsPartWriter), examples=2)
     # CONF-61 crosses the 6 MiB size with the other dimensions, so it sees the defect too
@@ -137,6 +138,7 @@ class BFloat16ThroughFloatWriter(_Transforming):
 
 
 @pytest.mark.spec("CONF-10", "CONF-52", "CONF-42")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_nan_payload_normalisation_fails_conf_10_alone() -> None:
     results = run_checks(with_writer(HalfThroughFloatWriter), examples=2)
     assert failing(results) == {"CONF-10"}, [r for r in results if r.status == "fail"]
@@ -412,6 +414,7 @@ class TensorOnlyWriter(DictWriter):
 
 
 @pytest.mark.spec("CONF-13", "CONF-52", "CONF-42")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_a_tensor_only_backend_fails_conf_13_alone_or_declares_it() -> None:
     results = run_checks(with_writer(TensorOnlyWriter), examples=2)
     assert failing(results) == {"CONF-13"}, [r for r in results if r.status == "fail"]

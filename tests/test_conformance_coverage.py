@@ -315,6 +315,7 @@ def test_each_broken_backend_exits_1_naming_its_point(
 
 
 @pytest.mark.spec("CONF-61", "CONF-68")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_the_crossed_defect_is_invisible_to_the_single_point_checks() -> None:
     """The threads x size defect passes CONF-19 (threads, small items) and CONF-46 (sizes, one
     thread): only the crossed cases see it, and the reason says which values set it apart."""

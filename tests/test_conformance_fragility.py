@@ -177,6 +177,7 @@ def test_a_hanging_check_times_out_and_the_others_still_run() -> None:
 
 
 @pytest.mark.spec("CONF-51", "CONF-41")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_the_command_line_exits_and_writes_its_report_despite_a_hang(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -213,6 +214,7 @@ def slow_backend() -> PosixBackend:
 
 
 @pytest.mark.spec("CONF-51", "CONF-41")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_a_slow_correct_backend_passes_and_the_report_gives_each_checks_time() -> None:
     # the two checks that timed out on the reported backend, whose time grows with its speed
     only = {"CONF-28", "CONF-48"}

@@ -193,6 +193,7 @@ def torch_fs_synced() -> backends.TorchFileSystem:
 
 
 @pytest.mark.spec("CONF-58", "CONF-59", "CONF-60")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_a_correct_posix_writer_and_refdcps_filesystem_pass() -> None:
     for backend in (PosixBackend(), backends.refdcp_fs()):
         results = run_checks(backend, only=POWER | {"CONF-48"})

@@ -63,6 +63,7 @@ def test_overlay_drops_only_what_the_profile_gives_a_reason_for(
 
 
 @pytest.mark.spec("CONF-69")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_torch_hf_under_the_profile_runs_every_check_but_the_ruled_out_ones() -> None:
     """Only CONF-13 turns n/a by the profile (with its reason); CONF-10 runs the dtypes
     safetensors names and says which it left out; the other n/a results are the ones the

@@ -65,7 +65,15 @@ def _statuses(results: list[Result]) -> dict[str, str]:
     "CONF-48",
     "CONF-49",
 )
-@pytest.mark.parametrize("make", [refdcp_fs, refdcp_memory, DictBackend], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(refdcp_fs, marks=pytest.mark.slow),  # long; make test-thorough runs it
+        refdcp_memory,
+        pytest.param(DictBackend, marks=pytest.mark.slow),
+    ],
+    ids=lambda f: f.__name__,
+)
 def test_refdcp_storage_and_example_pass_every_check(make: object) -> None:
     backend = make()  # type: ignore[operator]
     results = run_checks(backend, examples=4)
@@ -87,7 +95,11 @@ def test_refdcp_storage_and_example_pass_every_check(make: object) -> None:
 
 
 @pytest.mark.spec("CONF-25", "CONF-43", "CONF-42")
-@pytest.mark.parametrize("make", [torch_fs, torch_fsspec_memory], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "make",
+    [pytest.param(torch_fs, marks=pytest.mark.slow), torch_fsspec_memory],
+    ids=lambda f: f.__name__,
+)
 def test_torch_storage_meets_every_must_but_not_atomic_overwrite(make: object) -> None:
     backend = make()  # type: ignore[operator]
     results = run_checks(backend, examples=3)
@@ -106,7 +118,9 @@ def test_every_check_cites_one_known_conf_requirement() -> None:
     checks = all_checks()
     assert checks is not CHECKS and len(checks) == len(CHECKS)
     # requirements on the suite itself (CONF-57: when CONF-48 applies)
-    suite = set(range(40, 46)) | set(range(50, 58)) | {68, 69}  # CONF-68: the reasons' words; CONF-69: profiles
+    suite = (
+        set(range(40, 46)) | set(range(50, 58)) | {68, 69}
+    )  # CONF-68: the reasons' words; CONF-69: profiles
     assert {c.id for c in checks} == {rid for rid in known if int(rid.split("-")[1]) not in suite}
     assert all(c.id in known for c in checks)
 

@@ -25,6 +25,7 @@ def _summary(text: str) -> dict[str, str]:
 
 
 @pytest.mark.spec("TOOL-24", "TOOL-25")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_demo_runs_every_step_in_a_fresh_process_and_leaves_nothing(tmp_path: Path) -> None:
     cwd = tmp_path / "cwd"
     tmp = tmp_path / "tmp"

@@ -63,6 +63,7 @@ def test_auto_mode_picks_the_installed_interpreter_when_there_is_no_venv(tmp_pat
 
 
 @pytest.mark.spec("HARN-24", "HARN-14")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_system_mode_with_every_dependency_installs_nothing_and_reaches_the_gate(
     tmp_path: Path,
 ) -> None:
@@ -74,6 +75,7 @@ def test_system_mode_with_every_dependency_installs_nothing_and_reaches_the_gate
 
 
 @pytest.mark.spec("HARN-24")
+@pytest.mark.slow  # long; make test-thorough runs it
 def test_a_missing_dependency_comes_from_the_wheel_folder_offline(tmp_path: Path) -> None:
     _tiny_wheel(tmp_path / "wheels", "refdcp_gpu_probe", "refdcp-gpu-probe")
     deps = "GPU_DEPS=refdcp_gpu_probe:refdcp-gpu-probe crc32c:crc32c"
