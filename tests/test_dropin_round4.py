@@ -272,3 +272,40 @@ def test_the_async_handle_is_a_future_and_torchs_async_save_response(
         assert h.staging_completion is h.staged and h.staging_completion.result() is None
         assert isinstance(h.result(), Metadata) and h.upload_completion.result() is h.result()
     stager.close()
+
+
+# -- REF-21: the reference reads zstd checkpoints ---------------------------------------------
+
+
+@pytest.mark.spec("REF-21", "FMT-24")
+@pytest.mark.parametrize("writer", ["torch", "refdcp"])
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+    rows=st.integers(0, 9),
+    world=st.integers(1, 3),
+)
+def test_zstd_checkpoints_of_either_writer_load_in_either_implementation(
+    tmp_path_factory: pytest.TempPathFactory,
+    impl: ModuleType,
+    writer: str,
+    dtype: torch.dtype,
+    rows: int,
+    world: int,
+) -> None:
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from refdcp.comm import FakeWorld
+
+    path = str(tmp_path_factory.mktemp("zstd"))
+    value = torch.arange(rows * 4).reshape(rows, 4).to(dtype)
+    sd = {"w": value, "meta": {"step": rows, "name": "x" * rows}}
+    make = tdcp.FileSystemWriter if writer == "torch" else refdcp.FileSystemWriter
+    tdcp.save(sd, storage_writer=make(path, _extensions=[ZStandard()]), no_dist=True)
+
+    def rank(comm: Any) -> bool:  # resharded: each rank reads its rows of the tensor
+        out = {"w": torch.zeros(rows, 4, dtype=dtype), "meta": {"step": -1, "name": ""}}
+        impl.load(out, checkpoint_id=path, comm=comm)
+        return bool(torch.equal(out["w"], value)) and out["meta"] == sd["meta"]
+
+    assert all(FakeWorld(world).run(rank))

@@ -155,6 +155,18 @@ class ReferenceWriter(StorageWriter):
         self.written = []
 
 
+def _untransformed(blob: bytes, descriptors: list[str]) -> bytes:
+    """An item torch stored through stream transforms (``zstd``), decoded: the transforms are
+    undone in the order the descriptors name them, the first reading the stored bytes (FMT-24)."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    stream: Any = io.BytesIO(blob)
+    for extension in ExtensionRegistry().from_descriptor_list(descriptors):
+        undo: Any = extension  # a StreamTransformExtension, torch's ZStandard among them
+        stream = undo.transform_from(stream)
+    return bytes(stream.read())
+
+
 def _committed_files(path: Path) -> set[str] | None:
     """The data files the committed ``.metadata`` at ``path`` names (none when there is no
     checkpoint); None when it cannot be read, so nothing is removed (STORE-33)."""
@@ -269,7 +281,8 @@ class ReferenceReader(StorageReader):
             raise MissingChecksumError(f"{index.fqn!r} in {name} has no checksum (verify=True)")
         if expected is not None and self.verify is not False and crc32c.crc32c(blob) != expected:
             raise CorruptionError("checksum mismatch", fqn=index.fqn, file=name, offset=info.offset)
-        return blob
+        descriptors = getattr(info, "transform_descriptors", None)
+        return _untransformed(blob, descriptors) if descriptors else blob
 
     def _open(self, name: str) -> io.BufferedReader:
         """A plain regular file of the checkpoint directory, never a link or a FIFO (STORE-27)."""
