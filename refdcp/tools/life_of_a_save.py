@@ -242,12 +242,13 @@ def _run_reference(directory: str) -> PathRun:
 
     def save_rank(comm: Communicator) -> Metadata:
         r = comm.rank
-        return refdcp.reference.save(
+        metadata: Metadata = refdcp.reference.save(
             model_state(r, SAVE_WORLD),
             storage_writer=_RecordingWriter(directory, rec, r),
             planner=_recording_save_planner(rec, r, ReferenceSavePlanner),
             comm=comm,
         )
+        return metadata
 
     FakeWorld(SAVE_WORLD).run(save_rank)
     rec.files = read_checkpoint_files(directory)
