@@ -605,3 +605,39 @@ def test_a_conversion_failing_mid_write_leaves_no_file_and_no_writer_behind(
         convert(tmp_path / "dcp", tmp_path / f"out{suffix}")
     gc.collect()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp"]
+
+
+@pytest.mark.spec("STORE-63", "STORE-29")
+@settings(max_examples=20, deadline=None, suppress_health_check=FIXTURES)
+@given(
+    own=st.integers(0, 2),
+    foreign=st.sampled_from([None, "outside", "inside"]),
+)
+def test_a_stale_lock_keeps_only_refdcps_own_private_names_out_of_the_way(
+    tmp_path_factory: pytest.TempPathFactory, own: int, foreign: str | None
+) -> None:
+    """A save killed between the lock's link and unlink leaves the lock with its private
+    ``.metadata.lock.<12 hex>.new`` name: those names are removed and the lock taken over;
+    any other name of the file (outside the checkpoint, or another name in it) refuses it."""
+    from refdcp.storage.fs.lock import acquire_save_lock
+
+    tmp = tmp_path_factory.mktemp("lock")
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    lock = ckpt / ".metadata.lock"
+    lock.write_bytes(b'{"pid": 999999999, "token": "dead"}\n')
+    privates = [ckpt / f".metadata.lock.{uuid.uuid4().hex[:12]}.new" for _ in range(own)]
+    for p in privates:
+        os.link(lock, p)
+    other = {"outside": tmp / "outside", "inside": ckpt / "notes.txt"}.get(foreign or "")
+    if other is not None:
+        os.link(lock, other)
+    if other is None:
+        held = acquire_save_lock(ckpt, ".metadata", "tok")
+        assert os.stat(lock).st_nlink == 1 and not any(p.exists() for p in privates)
+        held.release()
+        return
+    before = other.read_bytes()
+    with pytest.raises(UnsafePathError, match="links"):
+        acquire_save_lock(ckpt, ".metadata", "tok")
+    assert other.read_bytes() == before and lock.exists()
