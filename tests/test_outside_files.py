@@ -236,7 +236,7 @@ def _one_process(impl: ModuleType) -> dict[str, Any]:
     return {"no_dist": True} if "no_dist" in inspect.signature(impl.save).parameters else {}
 
 
-@pytest.mark.spec("STORE-63", "STORE-56")
+@pytest.mark.spec("STORE-65", "STORE-63", "STORE-56")
 @settings(max_examples=12, deadline=None, suppress_health_check=FIXTURES)
 @given(
     planted=st.sets(st.sampled_from(_save_names()), min_size=1),
@@ -289,7 +289,7 @@ def test_a_stale_lock_hard_linked_outside_is_refused_unwritten(tmp_path: Path) -
     assert outside.read_bytes() == OUTSIDE
 
 
-@pytest.mark.spec("STORE-63", "TOOL-33")
+@pytest.mark.spec("STORE-65", "STORE-63", "TOOL-33")
 @settings(max_examples=15, deadline=None, suppress_health_check=FIXTURES)
 @given(
     kind=st.sampled_from(["safetensors", "torch", "index", "dcp"]),
